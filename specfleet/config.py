@@ -1,0 +1,43 @@
+"""Engine configuration: small frozen dataclasses; `validate()` raises a ValueError naming the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specfleet.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # memory for the target's KV cache; drafts get their own budget
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes < 1:
+            raise InvalidRequestError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens in one forward (prompt chunks + decodes + draft nodes)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        self.cache.validate()
+        self.scheduler.validate()

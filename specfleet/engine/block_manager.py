@@ -1,0 +1,112 @@
+"""Paged KV bookkeeping: which fixed-size blocks each request owns. No device code.
+
+Every cache (the target's and each draft model's) has its own BlockManager. A request's table maps
+its token positions to slots: position p lives in slot `table[p // block_size] * block_size +
+p % block_size`. The verbs are symmetric:
+
+    can_allocate / allocate   a request's first `n` tokens
+    can_append / append       `n` more tokens at the end (a decode step, or a draft tree to verify)
+    truncate                  keep only the first `n` tokens (speculative rollback), freeing blocks
+    free                      drop the request entirely
+
+Invariant (tested): num_free_blocks + sum of blocks held by tables == num_blocks, always.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised by allocate/append when the caller did not check can_allocate/can_append first."""
+
+
+@dataclass
+class BlockTable:
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # a stack: recently freed blocks are reused first, which keeps the touched memory small
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[str, BlockTable] = {}
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def num_tokens(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return 0 if table is None else table.num_tokens
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._tables[request_id].block_ids
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extra_blocks(self, request_id: str, num_new_tokens: int) -> int:
+        table = self._tables.get(request_id)
+        have = 0 if table is None else len(table.block_ids)
+        need = self.blocks_for((0 if table is None else table.num_tokens) + num_new_tokens)
+        return max(0, need - have)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= len(self._free)
+
+    def can_append(self, request_id: str, num_new_tokens: int) -> bool:
+        return self._extra_blocks(request_id, num_new_tokens) <= len(self._free)
+
+    # -- verbs -----------------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        self._tables[request_id] = BlockTable()
+        try:
+            self.append(request_id, num_tokens)
+        except OutOfBlocks:
+            del self._tables[request_id]
+            raise
+
+    def append(self, request_id: str, num_new_tokens: int) -> None:
+        """Reserve slots for `num_new_tokens` more tokens of an existing request."""
+        table = self._tables[request_id]
+        extra = self._extra_blocks(request_id, num_new_tokens)
+        if extra > len(self._free):
+            raise OutOfBlocks(f"need {extra} blocks, {len(self._free)} free")
+        for _ in range(extra):
+            table.block_ids.append(self._free.pop())
+        table.num_tokens += num_new_tokens
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens; blocks no longer needed go back to the free list."""
+        table = self._tables[request_id]
+        if num_tokens > table.num_tokens:
+            raise ValueError(f"cannot truncate {request_id!r} from {table.num_tokens} up to {num_tokens} tokens")
+        keep = self.blocks_for(num_tokens)
+        while len(table.block_ids) > keep:
+            self._free.append(table.block_ids.pop())
+        table.num_tokens = num_tokens
+
+    def free(self, request_id: str) -> None:
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self._free.extend(reversed(table.block_ids))
+
+    def slot(self, request_id: str, position: int) -> int:
+        table = self._tables[request_id]
+        return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def check_invariant(self) -> None:
+        held = [b for t in self._tables.values() for b in t.block_ids]
+        all_ids = held + self._free
+        assert len(all_ids) == self.num_blocks and len(set(all_ids)) == self.num_blocks, "block accounting broken"

@@ -1,0 +1,85 @@
+"""Speculative decoding statistics, per request and in aggregate.
+
+Conventions (the same in the API, the CLI, the server and the benchmarks):
+- a *step* is one target forward pass that verified a draft for this request (possibly empty);
+- drafted = draft tokens (tree nodes) sent to the target; accepted = draft tokens kept;
+- acceptance rate = accepted / drafted (for trees, drafted counts every node, so a wide tree has a
+  lower rate for the same accepted length);
+- mean accepted length = (accepted + steps) / steps = tokens emitted per target pass, counting the
+  bonus (or correction) token the target always contributes; plain decoding scores exactly 1;
+- acceptance by position k = fraction of steps whose accepted path reached depth k (k = 1, 2, ...);
+- goodput = emitted tokens / wall time spent drafting and verifying.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)  # [k] = steps reaching depth k+1
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    drafts_used: dict[str, int] = field(default_factory=dict)  # proposer name -> steps it drafted
+
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
+        self.num_steps += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_emitted += num_emitted
+        while len(self.accepted_at_depth) < num_accepted:
+            self.accepted_at_depth.append(0)
+        for k in range(num_accepted):
+            self.accepted_at_depth[k] += 1
+        if proposer is not None and num_drafted:
+            self.drafts_used[proposer] = self.drafts_used.get(proposer, 0) + 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_steps += other.num_steps
+        self.num_drafted += other.num_drafted
+        self.num_accepted += other.num_accepted
+        self.num_emitted += other.num_emitted
+        while len(self.accepted_at_depth) < len(other.accepted_at_depth):
+            self.accepted_at_depth.append(0)
+        for k, c in enumerate(other.accepted_at_depth):
+            self.accepted_at_depth[k] += c
+        self.draft_time += other.draft_time
+        self.verify_time += other.verify_time
+        for name, c in other.drafts_used.items():
+            self.drafts_used[name] = self.drafts_used.get(name, 0) + c
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [c / self.num_steps for c in self.accepted_at_depth] if self.num_steps else []
+
+    @property
+    def goodput(self) -> float:
+        t = self.draft_time + self.verify_time
+        return self.num_emitted / t if t > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.num_steps,
+            "drafted": self.num_drafted,
+            "accepted": self.num_accepted,
+            "emitted": self.num_emitted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "draft_time_s": round(self.draft_time, 4),
+            "verify_time_s": round(self.verify_time, 4),
+            "goodput_tok_s": round(self.goodput, 2),
+            "drafts_used": dict(self.drafts_used),
+        }

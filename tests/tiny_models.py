@@ -1,0 +1,40 @@
+"""Tiny random-weight reference models built with transformers, shared by the tests."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.model_config import ModelConfig
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0, **kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(tie_word_embeddings=False, rope_theta=1000000.0, **kw)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=16, **kw)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    # random init leaves biases and norms at trivial values; perturb them so the test sees them
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval().float()
+
+
+def ours_from_hf(model: transformers.PreTrainedModel) -> DecoderLM:
+    cfg = ModelConfig.from_hf_dict(model.config.to_dict())
+    ours = DecoderLM(cfg)
+    ours.load_weights(dict(model.state_dict()))
+    return ours.eval()
