@@ -38,3 +38,32 @@ def ours_from_hf(model: transformers.PreTrainedModel) -> DecoderLM:
     ours = DecoderLM(cfg)
     ours.load_weights(dict(model.state_dict()))
     return ours.eval()
+
+
+def perturbed_copy(model: DecoderLM, scale: float, seed: int = 0) -> DecoderLM:
+    """A draft that agrees with `model` only partly: the same weights plus relative noise."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean())
+    return draft
+
+
+def random_prompts(lengths: list[int], vocab: int = 97, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_to_completion(engine, prompts, params) -> list:
+    """Submit all prompts, step until done, return the final RequestOutputs in prompt order."""
+    reqs = [engine.add_request(p, params if not isinstance(params, list) else params[i])
+            for i, p in enumerate(prompts)]
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[r.request_id] for r in reqs]

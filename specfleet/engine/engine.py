@@ -178,6 +178,7 @@ class Engine:
         now = time.perf_counter()
         if req.first_token_time is None:
             req.first_token_time = now
+        is_decode = bool(req.output_token_ids)
         tokens = result.emitted_tokens(tree)
         origins = [tree.origins[j] for j in path] + ["target"]
         num_emitted = 0
@@ -186,8 +187,13 @@ class Engine:
             if self.stop_checker.append(req, tok, origin):
                 break
         num_accepted = min(len(path), num_emitted)
-        req.stats.record_step(len(tree), num_accepted, num_emitted, tree.origins[0] if len(tree) else None)
-        self.stats.record_step(len(tree), num_accepted, num_emitted, tree.origins[0] if len(tree) else None)
+        if is_decode:  # the prefill's first token is not a speculation step (see spec/metrics.py)
+            proposer = tree.origins[0] if len(tree) else None
+            req.stats.record_step(len(tree), num_accepted, num_emitted, proposer)
+            self.stats.record_step(len(tree), num_accepted, num_emitted, proposer)
+        else:
+            req.stats.num_emitted += num_emitted
+            self.stats.num_emitted += num_emitted
         fb = Feedback(req.request_id, tree, path[:num_accepted], num_emitted, 0.0, req.all_token_ids)
         if req.finish_reason is not None:
             self._finish(req)

@@ -29,7 +29,9 @@ class ForwardItem:
     context_len: int
     logit_indices: list[int]  # which of the new tokens need logits, relative to the first new token
     positions: list[int] | None = None
-    new_mask: torch.Tensor | None = None  # [n, n] bool over the new tokens; None = causal
+    # bool visibility of the new tokens: [n, n] over the new tokens (the whole context is visible),
+    # or [n, context_len + n] when part of the context must stay hidden (a tree drafted level by level)
+    new_mask: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -57,11 +59,11 @@ class ModelRunner:
             slots = self._request_slots(blocks.block_ids(it.request_id), total)
             slot_maps.append(slots[it.context_len:])
             kv_indices.append(slots)
-            if n == 1:
+            if n == 1 and (it.new_mask is None or bool(it.new_mask.all())):
                 masks.append(None)  # a single new token sees the whole sequence
             else:
                 m = it.new_mask.to(self.device) if it.new_mask is not None else causal_mask(n, self.device)
-                masks.append(build_visibility_mask(it.context_len, m))
+                masks.append(m if m.shape[1] == total else build_visibility_mask(it.context_len, m))
             input_ids.extend(it.token_ids)
             positions.extend(it.positions if it.positions is not None else range(it.context_len, total))
             logit_rows.extend(offset + j for j in it.logit_indices)

@@ -1,7 +1,8 @@
 """Speculative decoding statistics, per request and in aggregate.
 
 Conventions (the same in the API, the CLI, the server and the benchmarks):
-- a *step* is one target forward pass that verified a draft for this request (possibly empty);
+- a *step* is one target forward pass that verified a draft for this request (possibly empty); the
+  prefill pass that emits a request's first token is not a step, but its token counts as emitted;
 - drafted = draft tokens (tree nodes) sent to the target; accepted = draft tokens kept;
 - acceptance rate = accepted / drafted (for trees, drafted counts every node, so a wide tree has a
   lower rate for the same accepted length);

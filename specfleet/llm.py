@@ -1,0 +1,153 @@
+"""The offline API, in the style of vLLM:
+
+    llm = LLM(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
+    outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+    outs = llm.chat([{"role": "user", "content": "Write a haiku"}])
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+from specfleet.engine.engine import Engine
+from specfleet.errors import InvalidRequestError
+from specfleet.outputs import RequestOutput
+from specfleet.runtime.build import build_model, parse_device, parse_dtype
+from specfleet.runtime.model import DecoderLM
+from specfleet.sampling_params import SamplingParams
+from specfleet.spec.factory import SpecConfig, build_proposer
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+_USE_DEFAULT = object()
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True):
+    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`.
+
+    `NAME@N` keeps only the first N transformer layers (a cheap derived draft; the final norm and
+    head are kept, so it still speaks the target's vocabulary).
+    """
+    from dataclasses import replace
+
+    from specfleet.models.registry import resolve_model
+    from specfleet.runtime.loader import load_checkpoint
+
+    num_layers = None
+    if "@" in name_or_path:
+        name_or_path, _, n = name_or_path.rpartition("@")
+        if not n.isdigit() or int(n) < 1:
+            raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {n!r}")
+        num_layers = int(n)
+    ckpt = load_checkpoint(resolve_model(name_or_path), dtype)
+    cfg = ckpt.config
+    if num_layers is not None:
+        if num_layers > cfg.num_layers:
+            raise InvalidRequestError(f"{name_or_path} has {cfg.num_layers} layers; cannot keep {num_layers}")
+        cfg = replace(cfg, num_layers=num_layers)
+    model = build_model(cfg, ckpt.weights, dtype, device)
+    del ckpt.weights
+    tokenizer = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir), local_files_only=True)
+    return model, tokenizer
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, draft: str | None = _USE_DEFAULT, *, dtype: str = "bfloat16",
+                 device: str = "cpu", num_speculative_tokens: int = 4, top_children: int = 1, max_nodes: int = 16,
+                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 _model: DecoderLM | None = None, _tokenizer=None):
+        self.dtype = parse_dtype(dtype)
+        self.device = parse_device(device)
+        if draft is _USE_DEFAULT:
+            draft = DEFAULT_DRAFT if model == DEFAULT_MODEL else None
+        if _model is not None:  # tests and benchmarks hand in a model they built
+            self.model, self.tokenizer = _model, _tokenizer
+        else:
+            self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+        self.model_name = model
+        self.draft_name = draft
+        spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
+        proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device)
+        config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
+                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len))
+        self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([self.encode(p) for p in prompts], list(prompts), sampling_params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.apply_chat_template(c) for c in conversations]
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm)
+
+    def _run(self, prompt_ids: list[list[int]], prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_ids)
+        if len(plist) != len(prompt_ids):
+            raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompt_ids)} prompts")
+        reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, plist)]
+        order = {r.request_id: i for i, r in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        bar = tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    out.prompt = prompts[order[out.request_id]]
+                    results[order[out.request_id]] = out
+                    bar.update(1)
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[tuple[str, RequestOutput]]:
+        """Yield (new text, output so far) as tokens arrive; holds back incomplete UTF-8 characters."""
+        ids = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else self.encode(prompt)
+        req = self.engine.add_request(ids, params or SamplingParams())
+        sent = ""
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id != req.request_id:
+                    continue
+                text = out.text if out.finished else out.text.rstrip("\ufffd")
+                if len(text) > len(sent) or out.finished:
+                    yield text[len(sent):], out
+                    sent = text
+
+    def aggregate_stats(self) -> dict:
+        return self.engine.stats.as_dict()
+

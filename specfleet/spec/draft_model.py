@@ -1,0 +1,192 @@
+"""A small language model as a proposer, on the same runtime as the target.
+
+The draft has its own paged KV cache. Before drafting it catches up on the request's committed
+tokens it has not seen (the accepted path and the target's token from the last step; the whole
+prompt the first time) in one batched forward, then drafts. After drafting, its cache is truncated
+back to the committed tokens, so rollback never needs to know which draft tokens were accepted.
+
+Two shapes:
+- chain (`top_children` = 1): k batched single-token steps. Greedy requests take the argmax; sampled
+  requests draw from the draft's distribution under the request's temperature/top-k/top-p, and
+  the tree records those rows so verification can use rejection sampling.
+- tree (`top_children` > 1): levels of the best-first tree in the spirit of the staged-speculation
+  paper: each level expands the `top_children` most likely children of the `top_children` best
+  frontier nodes (by cumulative draft log-probability), one batched forward per level with a tree
+  mask; finally the `max_nodes` best nodes overall are kept. Because a child's cumulative
+  probability never exceeds its parent's, the kept set is closed under ancestors. The children are
+  deterministic choices, so they are verified as point masses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.request import Request
+from specfleet.errors import InvalidRequestError
+from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
+from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+from specfleet.runtime.sampling import make_generator, target_probs
+from specfleet.spec.proposer import Feedback
+from specfleet.spec.tree import DraftTree
+
+
+@dataclass
+class DraftModelConfig:
+    num_speculative_tokens: int = 4  # chain length, or the tree's maximum depth
+    top_children: int = 1  # 1 = chain
+    max_nodes: int = 16  # tree node budget (ignored for chains)
+    kv_cache_bytes: int = 512 << 20
+    block_size: int = 16
+
+    def validate(self) -> None:
+        if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1:
+            raise InvalidRequestError(f"invalid draft-model settings {self}")
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft-cache slots one request needs while drafting (every level of the beam is fed)."""
+        return self.num_speculative_tokens * self.top_children
+
+
+class DraftModelProposer:
+    def __init__(self, model: DecoderLM, name: str, config: DraftModelConfig | None = None,
+                 target_vocab_size: int | None = None, device: torch.device | str = "cpu"):
+        self.config = config or DraftModelConfig()
+        self.config.validate()
+        if target_vocab_size is not None and model.config.vocab_size > target_vocab_size:
+            raise InvalidRequestError(
+                f"draft {name!r} has a vocabulary of {model.config.vocab_size} tokens but the target has "
+                f"{target_vocab_size}: a draft must share the target's tokenizer")
+        self.name = name
+        self.model = model
+        self.device = torch.device(device)
+        dtype = next(model.parameters()).dtype
+        cc = self.config
+        num_blocks = num_blocks_for_budget(model.config, dtype, cc.kv_cache_bytes, cc.block_size)
+        self.blocks = BlockManager(num_blocks, cc.block_size)
+        self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
+                                  self.device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- protocol --------------------------------------------------------------------------------
+    def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
+        seen = {r.request_id: self._committed(r) for r in requests}  # tokens already in the draft cache
+        ready = [r for r in requests if self._reserve_catch_up(r)]
+        if not ready:
+            return {}
+        items = []
+        for r in ready:
+            have = seen[r.request_id]
+            toks = r.all_token_ids
+            items.append(ForwardItem(r.request_id, toks[have:], have, [len(toks) - have - 1]))
+        logits = self.runner.execute(items, self.blocks)  # [len(ready), vocab]
+        try:
+            if self.config.top_children == 1:
+                return self._draft_chains(ready, logits)
+            return {r.request_id: self._draft_tree(r, logits[i]) for i, r in enumerate(ready)}
+        finally:
+            for r in ready:  # roll the draft cache back to the committed tokens
+                self.blocks.truncate(r.request_id, r.num_tokens)
+
+    def observe(self, feedback: list[Feedback]) -> None:
+        pass  # the cache was rolled back to the committed prefix right after drafting
+
+    def release(self, request_id: str) -> None:
+        self.blocks.free(request_id)
+        self._generators.pop(request_id, None)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _committed(self, req: Request) -> int:
+        return self.blocks.num_tokens(req.request_id)
+
+    def _reserve_catch_up(self, req: Request) -> bool:
+        """Reserve slots for the catch-up and the whole draft at once (so a batch can never run out
+        halfway); skip the request when the draft cache is full."""
+        if req.num_tokens + self.config.draft_slots >= self.model.config.max_position_embeddings:
+            return False
+        rid = req.request_id
+        catch_up = req.num_tokens - self._committed(req)
+        need = catch_up + self.config.draft_slots
+        if not self.blocks.has(rid):
+            if not self.blocks.can_allocate(need):
+                return False
+            self.blocks.allocate(rid, need)
+            return True
+        if not self.blocks.can_append(rid, need):
+            return False
+        self.blocks.append(rid, need)
+        return True
+
+    def _generator(self, req: Request) -> torch.Generator:
+        g = self._generators.get(req.request_id)
+        if g is None:
+            seed = None if req.params.seed is None else (req.params.seed * 1_000_003 + 17) % (2**63)
+            g = self._generators[req.request_id] = make_generator(seed, self.device)
+        return g
+
+    def _draft_chains(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, DraftTree]:
+        k = self.config.num_speculative_tokens
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for step in range(k):
+            for i, r in enumerate(reqs):
+                if r.params.is_greedy:
+                    tokens[i].append(int(logits[i].argmax()))
+                else:
+                    q = target_probs(logits[i:i + 1], r.params)[0]
+                    tokens[i].append(int(torch.multinomial(q, 1, generator=self._generator(r))))
+                    probs[i].append(q)
+            if step == k - 1:
+                break
+            # draft token `step` sits right after the committed tokens and the earlier draft tokens
+            items = [ForwardItem(r.request_id, [tokens[i][-1]], r.num_tokens + step, [0]) for i, r in enumerate(reqs)]
+            logits = self.runner.execute(items, self.blocks)
+        return {r.request_id: DraftTree.chain(tokens[i], self.name, torch.stack(probs[i]) if probs[i] else None)
+                for i, r in enumerate(reqs)}
+
+    def _draft_tree(self, req: Request, root_logits: torch.Tensor) -> DraftTree:
+        cfg = self.config
+        rid = req.request_id
+        base = req.num_tokens  # layout index of tree node 0 in the draft cache
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []  # cumulative log-probability
+        paths: list[list[int]] = []
+        frontier = [(-1, 0.0, torch.log_softmax(root_logits.float(), -1))]
+        for depth in range(1, cfg.num_speculative_tokens + 1):
+            cands = []
+            for node, score, logp in frontier:
+                top = torch.topk(logp, cfg.top_children)
+                cands.extend((score + float(v), node, int(t)) for v, t in zip(top.values, top.indices))
+            cands.sort(key=lambda c: -c[0])
+            level = cands[:cfg.top_children]  # the beam of this level
+            first_new = len(tokens)
+            for score, parent, tok in level:
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(score)
+                paths.append((paths[parent] if parent >= 0 else []) + [len(tokens) - 1])
+            if depth == cfg.num_speculative_tokens:
+                break
+            n_new = len(tokens) - first_new
+            ctx = base + first_new
+            mask = torch.zeros(n_new, ctx + n_new, dtype=torch.bool)
+            mask[:, :base] = True
+            for i in range(n_new):
+                for a in paths[first_new + i]:
+                    mask[i, (base + a) if a < first_new else (ctx + i)] = True
+            positions = [base + len(paths[first_new + i]) for i in range(n_new)]
+            out = self.runner.execute([ForwardItem(rid, tokens[first_new:], ctx, list(range(n_new)), positions, mask)],
+                                      self.blocks)
+            frontier = [(first_new + i, scores[first_new + i], torch.log_softmax(out[i], -1)) for i in range(n_new)]
+        # keep the best max_nodes nodes; shallower first on ties so ancestors always survive
+        order = sorted(range(len(tokens)), key=lambda j: (-scores[j], len(paths[j]), j))[:cfg.max_nodes]
+        keep = sorted(order, key=lambda j: (len(paths[j]), j))  # parents before children
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([tokens[j] for j in keep],
+                         [new_index[parents[j]] if parents[j] >= 0 else -1 for j in keep],
+                         [self.name] * len(keep))

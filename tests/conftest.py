@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def real_model_path(name: str) -> Path | None:
+    """The assembled file of an embedded model, or None (the test is skipped) when not installed.
+
+    With SPECFLEET_REQUIRE_REAL=1 (set by .ci/run) a missing model fails instead of skipping.
+    """
+    from specfleet.errors import ModelLoadError
+    from specfleet.models import registry
+
+    try:
+        return registry.resolve_model(name)
+    except ModelLoadError as e:
+        if os.environ.get("SPECFLEET_REQUIRE_REAL") == "1":
+            raise
+        pytest.skip(f"{name} not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    from specfleet.runtime.loader import load_checkpoint
+
+    path = real_model_path("smollm2-135m-instruct")
+    return load_checkpoint(path, torch.float32)

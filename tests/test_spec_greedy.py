@@ -1,0 +1,105 @@
+"""Speculative greedy output equals plain greedy output, token for token, for every proposer and shape."""
+import random
+
+import pytest
+
+from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+from specfleet.engine.engine import Engine
+from specfleet.sampling_params import SamplingParams
+from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ours_from_hf(tiny_hf_model("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return perturbed_copy(target, 0.15)
+
+
+def make_engine(model, proposer=None, num_blocks=400, **sched):
+    c = model.config
+    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4
+    return Engine(model, None, EngineConfig(CacheConfig(4, per_block * num_blocks), SchedulerConfig(**sched)), proposer)
+
+
+def proposers(draft):
+    small = 64 << 10
+    return {
+        "draft-chain": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small)),
+        "draft-tree": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8,
+                                                                                  kv_cache_bytes=small)),
+        "lookup-chain": lambda: PromptLookupProposer(PromptLookupConfig(4)),
+        "lookup-tree": lambda: PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
+    }
+
+
+def repetitive_prompts(lengths):
+    """Prompts that repeat themselves, so prompt lookup finds matches (and several branches)."""
+    out = []
+    for i, n in enumerate(random_prompts(lengths, seed=7)):
+        motif = n[:4] or [1]
+        out.append((motif * (len(n) // len(motif) + 1))[:len(n)] if i % 2 else n)
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "lookup-chain", "lookup-tree"])
+def test_speculative_greedy_equals_plain_greedy(target, draft, kind, batch):
+    prompts = repetitive_prompts(LENGTHS[batch])
+    plain = run_to_completion(make_engine(target), prompts, GREEDY)
+    proposer = proposers(draft)[kind]()
+    eng = make_engine(target, proposer)
+    spec = run_to_completion(eng, prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = eng.stats
+    assert stats.num_drafted > 0
+    if kind.startswith("draft"):  # a partly agreeing draft: some but not all tokens accepted
+        assert 0 < stats.num_accepted < stats.num_drafted
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    if hasattr(proposer, "blocks"):
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_accepted_tokens_are_marked_with_their_origin(target):
+    eng = make_engine(target, DraftModelProposer(target, "self", DraftModelConfig(4, kv_cache_bytes=64 << 10)))
+    # 31 tokens = the prefill's token + 6 full steps of 5
+    out = run_to_completion(eng, random_prompts([10]), SamplingParams(temperature=0, max_tokens=31, ignore_eos=True))[0]
+    # the prefill emits one target token; after it, a draft identical to the target is always
+    # accepted: 4 drafted + 1 target token per step
+    assert out.token_origins[:6] == ["target"] + ["self"] * 4 + ["target"]
+    assert out.metrics["mean_accepted_length"] == 5.0
+    assert out.metrics["acceptance_rate"] == 1.0 and out.metrics["steps"] == 6
+
+
+def test_no_leak_under_preemption_aborts_and_random_acceptance(target, draft):
+    """Tight memory, many requests, random aborts: every block of every cache is free at the end."""
+    rng = random.Random(0)
+    proposer = DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=2, max_nodes=5,
+                                                                   kv_cache_bytes=40 << 10))
+    eng = make_engine(target, proposer, num_blocks=48, max_num_batched_tokens=24, max_num_seqs=6)
+    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(24)])
+    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40),
+                             ignore_eos=True) for i in range(24)]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        live = [r for r in reqs if not r.is_finished]
+        if live and rng.random() < 0.05:
+            eng.abort(rng.choice(live).request_id)
+        eng.blocks.check_invariant()
+        proposer.blocks.check_invariant()
+    assert steps > 10
+    assert sum(r.num_preemptions for r in reqs) > 0, "the test must exercise preemption"
+    assert any(r.finish_reason == "abort" for r in reqs)
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
