@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import sys
 
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["models"].set_defaults(func=run_models)
 
     args = parser.parse_args(argv)
+    # the loader reports one-time conversions at INFO; a minute of silence would look like a hang
+    logging.basicConfig(level=logging.INFO, format="specfleet: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except SpecfleetError as e:

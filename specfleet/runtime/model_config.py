@@ -49,9 +49,11 @@ class ModelConfig:
                 f"unsupported architecture model_type={model_type!r}; specfleet supports "
                 f"{sorted(SUPPORTED_ARCHS)}"
             )
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise UnsupportedModelError(f"unsupported rope_scaling {rope_scaling!r}")
+        # transformers 4 writes rope scaling under rope_scaling, transformers 5 under rope_parameters
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = cfg.get(key) or {}
+            if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+                raise UnsupportedModelError(f"unsupported {key} {rope!r}: only plain rotary embeddings are implemented")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")

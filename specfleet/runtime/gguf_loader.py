@@ -1,0 +1,227 @@
+"""Reading a llama.cpp GGUF file into Hugging Face-named dense tensors, a ModelConfig and a tokenizer.
+
+GGUF is only an input format here: `loader.py` converts a file once into an HF-layout cache folder
+and every later load reads that folder. This module knows the GGUF specifics:
+
+- metadata keys (`<arch>.embedding_length`, `tokenizer.ggml.eos_token_id`, ...) -> ModelConfig;
+- tensor names (`blk.3.attn_q.weight`) -> HF names (`model.layers.3.self_attn.q_proj.weight`);
+- llama.cpp's converter permutes the rows of q_proj/k_proj for the `llama` arch (it rotates
+  interleaved pairs, HF rotates halves); we undo that so the HF forward pass applies unchanged.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from specfleet.errors import ModelLoadError, UnsupportedModelError
+from specfleet.runtime.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
+
+# Only these GGUF archs share the HF llama/qwen2/qwen3 layout our forward pass implements.
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# Archs whose q/k rows llama.cpp permuted on conversion (convert_hf_to_gguf.py, LlamaModel.permute).
+_PERMUTED_ARCHS = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A `gguf.GGUFReader` for `path`, or a ModelLoadError that says the file is damaged.
+
+    GGUFReader memory-maps the file and raises bare ValueError/IndexError/etc. on garbage; a file
+    cut short can even parse and only fail when a tensor is sliced, so we also check that every
+    tensor's bytes lie inside the file.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (corrupt, truncated or not GGUF): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    file_size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > file_size or t.data.nbytes != int(t.n_bytes):
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {t.name!r} ends at byte {end:,} but the file has "
+                f"{file_size:,} bytes; re-download or re-assemble it"
+            )
+    return reader
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _uniform(value: Any, key: str, path: Path) -> int:
+    """Some archs store a per-layer list for head counts; ours need one value for all layers."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise UnsupportedModelError(f"{path}: per-layer {key}={value} is not supported")
+        return int(value[0])
+    return int(value)
+
+
+def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported; specfleet supports {list(GGUF_ARCHS)}"
+        )
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: rope scaling {scaling!r} is not supported")
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
+    hidden = int(need("embedding_length"))
+    num_heads = _uniform(need("attention.head_count"), "head_count", path)
+    num_kv_heads = _uniform(_field(reader, f"{arch}.attention.head_count_kv", num_heads), "head_count_kv", path)
+    # Chat models stop on end-of-turn as well as end-of-text; llama.cpp stores the former as EOT/EOM.
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and int(token_id) not in eos_ids:
+            eos_ids.append(int(token_id))
+    hf = {
+        "model_type": arch,
+        # The embedding's row count is authoritative: `<arch>.vocab_size` is optional metadata.
+        "vocab_size": int(embd.shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": _uniform(need("feed_forward_length"), "feed_forward_length", path),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        # llama.cpp's own default when a file omits the base frequency.
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids,
+    }
+    return ModelConfig.from_hf_dict(hf)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name, or None if the name is not one we know."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and kind == "weight":
+        return f"{_GLOBAL_NAMES[stem]}.weight"
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute` on q/k rows (weights [rows, in] or biases [rows]).
+
+    llama.cpp orders each head's rows as interleaved pairs (x0,x1),(x2,x3)...; HF orders them as
+    halves [x0,x2,...|x1,x3,...]. With head_dim 4, GGUF rows [a0,b0,a1,b1] become HF [a0,a1,b0,b1]:
+    view each head as [head_dim/2, 2] and transpose to [2, head_dim/2].
+    """
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
+    from gguf import dequantize
+
+    try:
+        # quantized types come back as [rows, cols] float32; F32/F16/BF16 keep their numpy shape.
+        w = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(
+            f"{path}: tensor {tensor.name!r} uses {tensor.tensor_type.name}, which gguf cannot dequantize"
+        ) from e
+    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF dims are innermost-first
+    return w.reshape(expected)
+
+
+def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a GGUF file into HF-named tensors of `dtype`.
+
+    Memory peaks at the final weights plus one float32 copy of the largest tensor, because each
+    tensor is cast to `dtype` right after it is dequantized.
+    """
+    reader = open_gguf(path)
+    config = config_from_metadata(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise UnsupportedModelError(
+                f"{path}: tensor {tensor.name!r} has no counterpart in specfleet's {config.arch} model "
+                "(e.g. rope_freqs means rope scaling, which is not supported)"
+            )
+        w = _dequantize(tensor, path)
+        if config.arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, config.num_heads)
+        elif config.arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, config.num_kv_heads)
+        if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+            w = w.copy()
+        weights[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+    return config, weights
+
+
+def save_tokenizer(path: Path, out_dir: Path) -> None:
+    """Build the tokenizer transformers derives from the GGUF metadata and save it to `out_dir`.
+
+    Saving it means later loads need neither the GGUF nor the slow metadata parse, and the
+    folder loads with plain `AutoTokenizer.from_pretrained(out_dir)` offline.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad metadata
+        raise ModelLoadError(
+            f"{path}: cannot build a tokenizer from the GGUF metadata: {type(e).__name__}: {e}"
+        ) from e
+    if not getattr(tok, "chat_template", None):
+        template = _field(open_gguf(path), "tokenizer.chat_template")
+        if template:  # keep the template even if a transformers version drops it on the way
+            tok.chat_template = template
+    tok.save_pretrained(str(out_dir))
