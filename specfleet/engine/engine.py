@@ -116,6 +116,7 @@ class Engine:
                 s.request.num_computed_tokens += s.num_new_tokens
                 continue
             tree = s.request.draft if s.with_draft else EMPTY_TREE
+            s.request.draft = None  # a draft is verified once; the next step gets a fresh one
             rows = logits[row:row + len(tree) + 1]
             row += len(tree) + 1
             result = self._verify(s.request, tree, rows)

@@ -19,7 +19,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shift by the row maximum first (softmax is unchanged): a tiny temperature then sends the other
+    # logits towards -inf instead of overflowing the top one to +inf, which made the row nan; the
+    # clamp keeps a subnormal temperature (0 in float32) from giving 0 / 0
+    logits = logits - logits.amax(-1, keepdim=True)
+    logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
