@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     add_models_parser(sub)
     sub.choices["models"].set_defaults(func=run_models)
 
+    from specfleet.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
     args = parser.parse_args(argv)
     # the loader reports one-time conversions at INFO; a minute of silence would look like a hang
     logging.basicConfig(level=logging.INFO, format="specfleet: %(message)s", stream=sys.stderr)

@@ -2,8 +2,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads spin while waiting by default; on a shared 2-core CI machine that makes forward
+# passes many times slower. Must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -36,6 +36,8 @@ def proposers(draft):
         "draft-chain": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small)),
         "draft-tree": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8,
                                                                                   kv_cache_bytes=small)),
+        "draft-cut-head": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
+                                                                                      head_vocab=60)),
         "lookup-chain": lambda: PromptLookupProposer(PromptLookupConfig(4)),
         "lookup-tree": lambda: PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
     }
@@ -51,7 +53,7 @@ def repetitive_prompts(lengths):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "lookup-chain", "lookup-tree"])
+@pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "draft-cut-head", "lookup-chain", "lookup-tree"])
 def test_speculative_greedy_equals_plain_greedy(target, draft, kind, batch):
     prompts = repetitive_prompts(LENGTHS[batch])
     plain = run_to_completion(make_engine(target), prompts, GREEDY)

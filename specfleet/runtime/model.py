@@ -120,8 +120,12 @@ class DecoderLM(nn.Module):
         return self.norm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] fp32 logits; with `vocab_limit` only token ids below it (a draft's
+        cheaper head: byte-level BPE ids are roughly in merge order, so low ids are the common tokens)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if vocab_limit is not None:
+            weight = weight[:vocab_limit]
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

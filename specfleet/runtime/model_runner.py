@@ -35,8 +35,9 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv: KVCache, device: torch.device):
+    def __init__(self, model: DecoderLM, kv: KVCache, device: torch.device, vocab_limit: int | None = None):
         self.model = model
+        self.vocab_limit = vocab_limit  # logits over the first `vocab_limit` token ids only (drafts)
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
@@ -79,4 +80,4 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, batch, self.kv)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)

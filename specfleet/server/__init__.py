@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `create_app(llm, ServerConfig)`; `specfleet serve` runs it."""

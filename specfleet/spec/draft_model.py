@@ -41,9 +41,13 @@ class DraftModelConfig:
     max_nodes: int = 16  # tree node budget (ignored for chains)
     kv_cache_bytes: int = 512 << 20
     block_size: int = 16
+    # draft only among the first `head_vocab` token ids: a smaller head matmul per draft token. Lossless
+    # (the target verifies every token); rarer tokens are simply never proposed. None = full vocabulary.
+    head_vocab: int | None = None
 
     def validate(self) -> None:
-        if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1:
+        if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1 or \
+                (self.head_vocab is not None and self.head_vocab < self.top_children):
             raise InvalidRequestError(f"invalid draft-model settings {self}")
 
     @property
@@ -68,8 +72,9 @@ class DraftModelProposer:
         cc = self.config
         num_blocks = num_blocks_for_budget(model.config, dtype, cc.kv_cache_bytes, cc.block_size)
         self.blocks = BlockManager(num_blocks, cc.block_size)
+        self.vocab_size = model.config.vocab_size
         self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
-                                  self.device)
+                                  self.device, cc.head_vocab)
         self._generators: dict[str, torch.Generator] = {}
 
     # -- protocol --------------------------------------------------------------------------------
@@ -139,7 +144,8 @@ class DraftModelProposer:
                 else:
                     q = target_probs(logits[i:i + 1], r.params)[0]
                     tokens[i].append(int(torch.multinomial(q, 1, generator=self._generator(r))))
-                    probs[i].append(q)
+                    # verification needs q over the whole vocabulary; tokens past a cut head have q = 0
+                    probs[i].append(torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[0])))
             if step == k - 1:
                 break
             # draft token `step` sits right after the committed tokens and the earlier draft tokens

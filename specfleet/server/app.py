@@ -1,0 +1,272 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health and /metrics.
+
+A request goes: size-limited body -> JSON + strict schema -> model and unsupported-field checks ->
+tokenize (on one tokenizer thread, so a megabyte prompt never stalls the event loop) -> context
+checks -> admission (429 when the queue is full) -> stream or collect outputs. Every failure before
+the response starts is an OpenAI error body with a 4xx/5xx status; a failure after a stream started
+is sent as a final `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from specfleet.engine.async_engine import AsyncEngine, RequestStream
+from specfleet.llm import LLM
+from specfleet.outputs import RequestOutput
+from specfleet.server import serving
+from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
+                                     body_too_large, install_error_handlers)
+from specfleet.server.metrics import ServerMetrics
+from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+
+T = TypeVar("T")
+M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    max_queue: int = 256
+    max_body_bytes: int = 2 << 20
+    shutdown_timeout_s: float = 30.0
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streamed response was ready."""
+
+
+def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    engine = AsyncEngine(llm.engine, config.max_queue)
+    metrics = ServerMetrics(engine)
+    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
+    max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:  # uvicorn has already let in-flight responses finish (or cancelled them) by now
+            await engine.shutdown(config.shutdown_timeout_s)
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.max_body_bytes = config.max_body_bytes
+    app.state.engine = engine
+    app.add_middleware(MaxBodySizeMiddleware, max_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+
+    async def tokenize(fn: Callable[[], list[int]]) -> list[int]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+        except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
+
+    async def parse(request: Request, schema: type[M]) -> M:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, f"the body must be JSON sent with Content-Type: application/json, "
+                                f"got {ctype or 'no content type'!r}", code="unsupported_media_type")
+        body = await request.body()
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as e:
+            message, param = describe_validation_error(e)
+            raise APIError(400, message, param=param)
+        if req.model is not None and req.model != config.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{config.model_name!r}", param="model", code="model_not_found")
+        req.check_supported()
+        return req
+
+    async def serve(endpoint: str, request: Request, fn: Callable[[], Awaitable[Response]]) -> Response:
+        """Run a handler; count it; turn any error into the OpenAI error response."""
+        try:
+            return await fn()
+        except ClientGone:
+            metrics.observe_rejected(endpoint, 499)
+            return Response(status_code=499)  # nobody reads it; keeps the access log honest
+        except BodyTooLarge:
+            err = body_too_large(config.max_body_bytes)
+        except Exception as e:  # noqa: BLE001 -- mapped to a status; unexpected ones are logged
+            err = api_error_from(e)
+        metrics.observe_rejected(endpoint, err.status)
+        return err.response()
+
+    def start(prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+              kind: str) -> tuple[serving.Prepared, RequestStream]:
+        serving.check_prompt(prompt_ids, vocab, max_len)
+        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len)
+        prepared = serving.Prepared(serving.new_request_id(kind), prompt_ids, params, serving.now())
+        return prepared, engine.generate(prompt_ids, params, prepared.request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse(request, CompletionRequest)
+            prompt = req.single_prompt()
+            ids = await tokenize(lambda: llm.encode(prompt))
+            p, stream = start(ids, req, req.max_tokens, "cmpl")
+            if req.stream:
+                return sse(completion_events(p, req, stream), closing(stream, "completions"))
+            out = await collect(request, stream)
+            metrics.observe_finished("completions", out)
+            return JSONResponse(serving.completion_body(p, config.model_name, out))
+        return await serve("completions", request, handle)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse(request, ChatCompletionRequest)
+            messages = req.template_messages()
+            ids = await tokenize(lambda: llm.apply_chat_template(messages))
+            p, stream = start(ids, req, req.requested_max_tokens(), "chatcmpl")
+            if req.stream:
+                return sse(chat_events(p, req, stream), closing(stream, "chat"))
+            out = await collect(request, stream)
+            metrics.observe_finished("chat", out)
+            return JSONResponse(serving.chat_body(p, config.model_name, out))
+        return await serve("chat", request, handle)
+
+    def closing(stream: RequestStream, endpoint: str) -> Callable[[], Awaitable[None]]:
+        async def close() -> None:  # when a streamed response ends, however it ends
+            if not stream.is_finished and stream.error is None:  # the client went away mid-stream
+                metrics.observe_rejected(endpoint, 499)
+            await stream.aclose()
+        return close
+
+    async def completion_events(p: serving.Prepared, req: CompletionRequest,
+                                stream: RequestStream) -> AsyncIterator[str]:
+        def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
+            return serving.completion_chunk(p, config.model_name, text, out)
+        async for event in stream_events("completions", p, req, stream, chunk, "text_completion"):
+            yield event
+
+    async def chat_events(p: serving.Prepared, req: ChatCompletionRequest,
+                          stream: RequestStream) -> AsyncIterator[str]:
+        def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
+            return serving.chat_chunk(p, config.model_name, {"content": text}, out)
+        # OpenAI opens every chat stream with the role; it also gets the headers to the client at once
+        yield data(serving.chat_chunk(p, config.model_name, {"role": "assistant", "content": ""}, None))
+        async for event in stream_events("chat", p, req, stream, chunk, "chat.completion.chunk"):
+            yield event
+
+    async def stream_events(endpoint: str, p: serving.Prepared, req: CompletionRequest | ChatCompletionRequest,
+                            stream: RequestStream,
+                            chunk: Callable[[str, RequestOutput | None], dict[str, Any]],
+                            obj: str) -> AsyncIterator[str]:
+        deltas = serving.DeltaText(p.params.stop)
+        try:
+            async for out in stream:
+                text = deltas.delta(out)
+                if text or out.finished:
+                    yield data(chunk(text, out))
+                if out.finished:
+                    metrics.observe_finished(endpoint, out)
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield data(serving.usage_chunk(p, config.model_name, out, obj))
+        except Exception as e:  # noqa: BLE001 -- the status line is sent; report in-band, as OpenAI does
+            err = api_error_from(e)
+            metrics.observe_rejected(endpoint, err.status)
+            yield data(err.body())
+        yield "data: [DONE]\n\n"
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specfleet", "max_model_len": max_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        reason = f"engine failed: {engine.error!r}" if engine.error else "shutting down"
+        return APIError(503, reason, "service_unavailable").response()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its event generator and its engine stream when the response ends, however it ends.
+
+    Starlette abandons the body iterator when the client disconnects, possibly before iterating it
+    at all; left to the garbage collector, the engine request (and its KV blocks) would live on.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
+
+
+def sse(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> StreamingResponse:
+    return _ClosingStreamingResponse(events, on_close)
+
+
+async def collect(request: Request, stream: RequestStream) -> RequestOutput:
+    """The final output of a non-streamed request; aborts it if the client disconnects first."""
+    try:
+        return await until_disconnect(request, last_output(stream))
+    finally:
+        await stream.aclose()  # a no-op when it finished; frees it even if the reader never started
+
+
+async def last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished, "an engine stream ends with a finished output"
+    return last
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its request) if the client disconnects first.
+
+    Starlette does this for streamed responses; a non-streamed handler has to watch on its own.
+    """
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled (shutdown timeout): pass it on
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone()

@@ -1,0 +1,93 @@
+"""`specfleet serve`: load the model and drafts, then serve the OpenAI-compatible API with uvicorn.
+
+SIGTERM (and Ctrl-C) shut down gracefully: uvicorn stops accepting connections and lets in-flight
+responses finish for up to --shutdown-timeout seconds, cancels the rest (their requests are
+aborted), then the app's lifespan stops the engine thread. The process then exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from specfleet.cli import _add_engine_args
+
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (printed at start)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="most requests waiting for their first token; more get HTTP 429")
+    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get HTTP 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...)")
+    add_serve_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts, so `--port 0` can report the port it got."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        from specfleet.errors import SpecfleetError
+        raise SpecfleetError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port") from e
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specfleet.cli import build_llm
+    from specfleet.errors import SpecfleetError
+    from specfleet.server.app import ServerConfig, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
+        raise SpecfleetError("--max-queue and --max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    sock = _bind(args.host, args.port)
+    llm = build_llm(args)
+    config = ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
+                          args.shutdown_timeout)
+    app = create_app(llm, config)
+    host, port = sock.getsockname()[:2]
+    print(f"specfleet: serving {config.model_name} on http://{host}:{port} "
+          f"(context {llm.engine.max_model_len} tokens, {llm.engine.blocks.num_blocks} KV blocks)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+                                           timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+    # uvicorn re-raises the signal it caught once its graceful shutdown is done; with the default
+    # handler that would kill us with status -15 after a clean stop, so answer it with a no-op
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    print("specfleet: server stopped", flush=True)
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specfleet.errors import SpecfleetError
+
+    parser = argparse.ArgumentParser(prog="python -m specfleet.server", description=__doc__.splitlines()[0])
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except SpecfleetError as e:
+        print(f"specfleet: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,129 @@
+"""Prometheus metrics: request counters kept by the server, engine state read from its snapshot.
+
+Engine-side numbers (queue, KV blocks, speculation) are not pushed every step: a collector reads the
+AsyncEngine's latest immutable snapshot at scrape time, so the engine thread never touches
+prometheus objects. Speculation metrics follow the conventions of `specfleet/spec/metrics.py`.
+Each app gets its own registry, so several apps (tests) can live in one process.
+
+Per-draft metrics appear when the proposer exposes them (composite proposers: voting, selection):
+`proposer.weights: Mapping[str, float]` and `proposer.draft_stats: Mapping[str, SpecStats | Mapping]`
+(a mapping with "drafted" and "accepted" counts). For every proposer, tokens accepted per draft are
+counted from each finished request's token origins.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from specfleet.engine.async_engine import AsyncEngine
+from specfleet.outputs import RequestOutput
+from specfleet.spec.metrics import SpecStats
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specfleet_requests", "Finished or rejected API requests",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("specfleet_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.generation_tokens = Counter("specfleet_generation_tokens", "Tokens generated for served requests",
+                                         registry=r)
+        self.accepted_by_draft = Counter("specfleet_spec_accepted_tokens_by_draft",
+                                         "Output tokens that a draft proposed and the target accepted",
+                                         ["draft"], registry=r)
+        self.latency = Histogram("specfleet_request_latency_seconds", "Arrival to last token",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specfleet_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_finished(self, endpoint: str, out: RequestOutput) -> None:
+        self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        for origin in set(out.token_origins) - {"target"}:
+            self.accepted_by_draft.labels(origin).inc(out.token_origins.count(origin))
+        if "latency_s" in out.metrics:
+            self.latency.observe(out.metrics["latency_s"])
+        if "ttft_s" in out.metrics:
+            self.ttft.observe(out.metrics["ttft_s"])
+
+    def observe_rejected(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, f"http_{status}").inc()
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot
+        s = snap.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield gauge("specfleet_requests_running", "Requests in the running batch", snap.num_running)
+        yield gauge("specfleet_requests_waiting", "Requests in the engine's waiting queue", snap.num_waiting)
+        yield gauge("specfleet_queue_length", "Admitted requests still waiting for their first token",
+                    self.engine.num_queued)
+        yield gauge("specfleet_queue_capacity", "Most requests that may wait before 429", self.engine.max_queue)
+        yield gauge("specfleet_kv_blocks_total", "KV cache blocks of the target", snap.num_blocks)
+        yield gauge("specfleet_kv_blocks_free", "Free KV cache blocks of the target", snap.num_free_blocks)
+        usage = 1.0 - snap.num_free_blocks / snap.num_blocks if snap.num_blocks else 0.0
+        yield gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV blocks in use", usage)
+        yield gauge("specfleet_engine_healthy", "1 while the engine accepts requests", float(self.engine.is_healthy))
+        yield CounterMetricFamily("specfleet_engine_steps", "Engine steps (target forward passes)",
+                                  value=snap.num_engine_steps)
+        yield CounterMetricFamily("specfleet_spec_steps", "Verification steps (decode passes)", value=s.num_steps)
+        yield CounterMetricFamily("specfleet_spec_draft_tokens", "Draft tokens sent to the target",
+                                  value=s.num_drafted)
+        yield CounterMetricFamily("specfleet_spec_accepted_tokens", "Draft tokens the target kept",
+                                  value=s.num_accepted)
+        yield CounterMetricFamily("specfleet_spec_emitted_tokens", "Tokens emitted by the engine", value=s.num_emitted)
+        yield gauge("specfleet_spec_acceptance_rate", "accepted / drafted", s.acceptance_rate)
+        yield gauge("specfleet_spec_mean_accepted_length", "(accepted + steps) / steps: tokens per target pass",
+                    s.mean_accepted_length)
+        per_step = s.num_drafted / s.num_steps if s.num_steps else 0.0
+        yield gauge("specfleet_spec_draft_tokens_per_step", "Observed speculation length (drafted / steps)",
+                    per_step)
+        if snap.spec_len is not None:
+            yield gauge("specfleet_spec_length", "Configured or current speculation length", snap.spec_len)
+        by_pos = GaugeMetricFamily("specfleet_spec_acceptance_by_position",
+                                   "Fraction of steps whose accepted path reached this depth", labels=["position"])
+        for k, rate in enumerate(s.acceptance_by_position, start=1):
+            by_pos.add_metric([str(k)], rate)
+        yield by_pos
+        used = CounterMetricFamily("specfleet_spec_draft_steps", "Steps whose draft came from this source",
+                                   labels=["draft"])
+        for name, count in sorted(s.drafts_used.items()):
+            used.add_metric([name], count)
+        yield used
+        weights = GaugeMetricFamily("specfleet_draft_weight", "Vote or selection weight of a draft source",
+                                    labels=["draft"])
+        for name, w in sorted(snap.draft_weights.items()):
+            if isinstance(w, (int, float)):
+                weights.add_metric([name], float(w))
+        yield weights
+        acc = GaugeMetricFamily("specfleet_draft_acceptance_rate", "Acceptance rate of one draft source",
+                                labels=["draft"])
+        for name, stats in sorted(snap.draft_stats.items()):
+            rate = _acceptance_rate(stats)
+            if rate is not None:
+                acc.add_metric([name], rate)
+        yield acc
+
+
+def _acceptance_rate(stats: object) -> float | None:
+    """A composite proposer's `draft_stats[name]`: a SpecStats, or a mapping with "drafted"/"accepted"."""
+    if isinstance(stats, SpecStats):
+        return stats.acceptance_rate if stats.num_drafted else None
+    if isinstance(stats, Mapping) and stats.get("drafted"):
+        return float(stats.get("accepted", 0)) / float(stats["drafted"])
+    return None

@@ -1,0 +1,151 @@
+"""From a validated request to engine input, and from engine outputs to OpenAI response bodies.
+
+Text streams as deltas of the cumulative text the engine reports. Two things are held back until
+they are certain: a trailing incomplete UTF-8 character (decoded as U+FFFD), and a trailing piece of
+text that could be the start of a stop string (the engine cuts a stop string out of the text once
+it is complete, and streamed text cannot be taken back).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specfleet.outputs import RequestOutput
+from specfleet.sampling_params import SamplingParams
+from specfleet.server.errors import APIError
+from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the engine needs for one request, plus the ids the response repeats."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    created: int
+
+
+def new_request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The engine's admission rules, checked before a response starts (so they can be a 400)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise APIError(400, "the prompt is empty; give at least one token", param="prompt")
+    if n >= max_model_len:
+        raise APIError(400, f"the prompt has {n} tokens but this model's context holds {max_model_len}; "
+                            f"shorten the prompt (nothing is truncated silently)", param="prompt",
+                       code="context_length_exceeded")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                       param="prompt")
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; max_tokens defaults to the rest of the context."""
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {num_prompt_tokens} tokens and "
+                            f"the context holds {max_model_len}, so at most {room} tokens can be generated; "
+                            f"lower max_tokens or shorten the prompt", param="max_tokens",
+                       code="context_length_exceeded")
+    # SamplingParams validates ranges itself and raises InvalidRequestError (-> 400)
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                          max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos)
+
+
+class DeltaText:
+    """Turns cumulative texts into safe-to-send deltas (see the module docstring)."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.sent = ""
+
+    def delta(self, out: RequestOutput) -> str:
+        text = out.text
+        if not out.finished:
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - self._stop_prefix_len(text)]
+        if len(text) <= len(self.sent):
+            return ""
+        new = text[len(self.sent):]
+        self.sent = text
+        return new
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def spec_block(out: RequestOutput) -> dict[str, Any]:
+    """This request's speculation statistics (conventions in specfleet/spec/metrics.py)."""
+    m = out.metrics
+    return {"steps": m.get("steps", 0), "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
+            "mean_accepted_length": m.get("mean_accepted_length", 0.0),
+            "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {})}
+
+
+def completion_body(p: Prepared, model: str, out: RequestOutput) -> dict[str, Any]:
+    return {"id": p.request_id, "object": "text_completion", "created": p.created, "model": model,
+            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": usage(out), "spec": spec_block(out)}
+
+
+def completion_chunk(p: Prepared, model: str, text: str, out: RequestOutput | None) -> dict[str, Any]:
+    """One streamed completion chunk; the final one (out.finished) carries usage and spec."""
+    is_final = out is not None and out.finished
+    body: dict[str, Any] = {
+        "id": p.request_id, "object": "text_completion", "created": p.created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None,
+                     "finish_reason": out.finish_reason if is_final else None}]}
+    if is_final:
+        body["usage"], body["spec"] = usage(out), spec_block(out)
+    return body
+
+
+def chat_body(p: Prepared, model: str, out: RequestOutput) -> dict[str, Any]:
+    return {"id": p.request_id, "object": "chat.completion", "created": p.created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": usage(out), "spec": spec_block(out)}
+
+
+def chat_chunk(p: Prepared, model: str, delta: dict[str, str], out: RequestOutput | None) -> dict[str, Any]:
+    is_final = out is not None and out.finished
+    body: dict[str, Any] = {
+        "id": p.request_id, "object": "chat.completion.chunk", "created": p.created, "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                     "finish_reason": out.finish_reason if is_final else None}]}
+    if is_final:
+        body["usage"], body["spec"] = usage(out), spec_block(out)
+    return body
+
+
+def usage_chunk(p: Prepared, model: str, out: RequestOutput, obj: str) -> dict[str, Any]:
+    """The extra last chunk that `stream_options.include_usage` asks for: no choices, only usage."""
+    return {"id": p.request_id, "object": obj, "created": p.created, "model": model, "choices": [],
+            "usage": usage(out), "spec": spec_block(out)}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,61 @@
+"""The app in-process (Starlette's TestClient) on a tiny random model: paths a real server cannot be
+pushed into on demand, such as the engine failing mid-stream. Token-id prompts: the model has no tokenizer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specfleet.llm import LLM
+from specfleet.server.app import ServerConfig, create_app
+from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
+
+PROMPT = random_prompts([6])[0]
+
+
+@pytest.fixture()
+def llm() -> LLM:
+    model = ours_from_hf(tiny_hf_model("llama"))
+    return LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+
+
+def events(response) -> list:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_token_prompt_round_trip_and_chat_needs_a_template(llm):
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "text needs a tokenizer"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+
+
+def test_engine_failure_mid_stream_is_reported_and_final(llm):
+    engine = llm.engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated kernel crash")
+        return real_step()
+
+    engine.step = failing_step
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20, "stream": True,
+                                                 "ignore_eos": True, "temperature": 0})
+        got = events(r)
+        assert r.status_code == 200 and got[-1] == "[DONE]"
+        assert "simulated kernel crash" in got[-2]["error"]["message"] and got[-2]["error"]["type"]
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        metrics = client.get("/metrics").text
+        assert "specfleet_engine_healthy 0.0" in metrics
