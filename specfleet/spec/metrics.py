@@ -26,6 +26,8 @@ class SpecStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     drafts_used: dict[str, int] = field(default_factory=dict)  # proposer name -> steps it drafted
+    drafted_by: dict[str, int] = field(default_factory=dict)  # proposer name -> draft tokens it sent
+    accepted_by: dict[str, int] = field(default_factory=dict)  # proposer name -> its tokens accepted
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
         self.num_steps += 1
@@ -38,6 +40,8 @@ class SpecStats:
             self.accepted_at_depth[k] += 1
         if proposer is not None and num_drafted:
             self.drafts_used[proposer] = self.drafts_used.get(proposer, 0) + 1
+            self.drafted_by[proposer] = self.drafted_by.get(proposer, 0) + num_drafted
+            self.accepted_by[proposer] = self.accepted_by.get(proposer, 0) + num_accepted
 
     def merge(self, other: "SpecStats") -> None:
         self.num_steps += other.num_steps
@@ -50,8 +54,13 @@ class SpecStats:
             self.accepted_at_depth[k] += c
         self.draft_time += other.draft_time
         self.verify_time += other.verify_time
-        for name, c in other.drafts_used.items():
-            self.drafts_used[name] = self.drafts_used.get(name, 0) + c
+        for mine, theirs in ((self.drafts_used, other.drafts_used), (self.drafted_by, other.drafted_by),
+                             (self.accepted_by, other.accepted_by)):
+            for name, c in theirs.items():
+                mine[name] = mine.get(name, 0) + c
+
+    def acceptance_by_draft(self) -> dict[str, float]:
+        return {name: self.accepted_by.get(name, 0) / n for name, n in self.drafted_by.items() if n}
 
     @property
     def acceptance_rate(self) -> float:
@@ -83,4 +92,5 @@ class SpecStats:
             "verify_time_s": round(self.verify_time, 4),
             "goodput_tok_s": round(self.goodput, 2),
             "drafts_used": dict(self.drafts_used),
+            "acceptance_by_draft": {k: round(v, 4) for k, v in self.acceptance_by_draft().items()},
         }
