@@ -105,3 +105,29 @@ def test_no_leak_under_preemption_aborts_and_random_acceptance(target, draft):
     assert any(r.finish_reason == "abort" for r in reqs)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_stop_token_inside_an_accepted_run_ends_at_that_token(target):
+    """With a draft identical to the target every step accepts 4 tokens; a stop token or max_tokens
+    landing in the middle of such a run must still end the request exactly there."""
+    # find a prompt whose output has a token first appearing inside the second speculative run
+    # (1 prefill token + 4 + 4), so the stop lands mid-run
+    for seed in range(50):
+        prompt = random_prompts([12], seed=seed)[0]
+        full = run_to_completion(make_engine(target), [prompt], GREEDY)[0].token_ids
+        firsts = [i for i in range(6, 9) if full.index(full[i]) == i]
+        if firsts:
+            break
+    first = firsts[0]
+    stop_tok = full[first]
+    for params, want in [
+        (SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_tok]), full[:first + 1]),
+        (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), full[:7]),
+    ]:
+        proposer = DraftModelProposer(target, "self", DraftModelConfig(4, kv_cache_bytes=64 << 10))
+        eng = make_engine(target, proposer)
+        out = run_to_completion(eng, [prompt], params)[0]
+        assert out.token_ids == want
+        assert eng.stats.num_accepted > 0
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
