@@ -14,8 +14,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered model name, HF folder or .gguf file")
     p.add_argument("--draft", default="default",
-                   help="draft: a model name/path, 'prompt-lookup' (alias 'ngram'), or 'none'; "
-                        "'default' = the embedded 0.5B when the target is the embedded 1.5B")
+                   help="draft spec: a model name/path (NAME@N keeps N layers), 'prompt-lookup', 'ngram', "
+                        "'none', or a composition such as 'vote(qwen-0.5b,prompt-lookup)+adaptive' "
+                        "(grammar in specfleet/spec/compose.py); 'default' = the embedded 0.5B when the "
+                        "target is the embedded 1.5B")
     p.add_argument("--spec-len", type=int, default=4, help="draft tokens per step (chain length / tree depth)")
     p.add_argument("--tree-width", type=int, default=1, help="children per tree node; 1 = chain")
     p.add_argument("--tree-nodes", type=int, default=16, help="node budget of a draft tree")
@@ -114,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["models"].set_defaults(func=run_models)
 
     from specfleet.server.cli import add_serve_parser
+    from specfleet.spec.ngram_cli import add_ngram_parser
 
     add_serve_parser(sub)
+    add_ngram_parser(sub)
 
     args = parser.parse_args(argv)
     # the loader reports one-time conversions at INFO; a minute of silence would look like a hang

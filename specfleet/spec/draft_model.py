@@ -79,6 +79,9 @@ class DraftModelProposer:
 
     # -- protocol --------------------------------------------------------------------------------
     def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
+        for r in requests:  # drafting twice without a commit in between: refeed the root for its logits
+            if self.blocks.has(r.request_id) and self._committed(r) >= r.num_tokens:
+                self.blocks.truncate(r.request_id, r.num_tokens - 1)
         seen = {r.request_id: self._committed(r) for r in requests}  # tokens already in the draft cache
         ready = [r for r in requests if self._reserve_catch_up(r)]
         if not ready:

@@ -1,43 +1,187 @@
-"""Building a proposer from a draft name and its settings.
+"""Building a proposer from a draft spec (see compose.py for the grammar) and its settings.
 
-A draft name is either a registered weightless or composite proposer ("prompt-lookup", ...) or a
-model: a registered embedded model name or a checkpoint path, which becomes a DraftModelProposer.
+`build_proposer(draft, spec, target_vocab_size, dtype, device)` is what specfleet.llm calls; `build`
+does the same with a caller-supplied model loader (tests hand in tiny models by name).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from specfleet.errors import InvalidRequestError
 from specfleet.spec import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
+from specfleet.spec.compose import MODEL_ALIASES, LoadModel, Node, apply_options, leaf_names, leaves, parse
 from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.spec.length import LengthConfig, LengthController
+from specfleet.spec.ngram_model import NgramConfig, NgramModel, NgramProposer
+from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.spec.proposer import Proposer, get_factory, registered_names
+from specfleet.spec.selector import SelectorConfig, SelectorProposer
+from specfleet.spec.staged import StagedConfig, StagedProposer
+from specfleet.spec.vote import VoteConfig, VoteProposer
 
-ALIASES = {"ngram": "prompt-lookup", "lookup": "prompt-lookup"}
+LOOKUP_NAMES = ("prompt-lookup", "lookup")
+LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation settings shared by every draft source; fields a source does not use are ignored."""
+    """Speculation settings; each strategy's defaults live in its own config, overridable per spec."""
 
     num_speculative_tokens: int = 4  # chain length / tree depth
     top_children: int = 1  # > 1: a best-first tree with this branching
     max_nodes: int = 16  # tree node budget
-    draft_kv_cache_bytes: int = 512 << 20
+    draft_kv_cache_bytes: int = 512 << 20  # per draft model
+    vote: VoteConfig = field(default_factory=VoteConfig)
+    length: LengthConfig = field(default_factory=LengthConfig)
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    staged: StagedConfig = field(default_factory=StagedConfig)
 
 
 def build_proposer(draft: str | None, spec: SpecConfig, target_vocab_size: int, dtype: torch.dtype,
                    device: torch.device) -> Proposer | None:
-    if draft is None or draft.lower() in ("", "none"):
+    if draft is None or draft.strip().lower() in ("", "none"):
         return None
-    name = ALIASES.get(draft, draft)
-    if name in registered_names():
-        kwargs = {"num_speculative_tokens": spec.num_speculative_tokens}
-        if name == "prompt-lookup":
-            kwargs["num_branches"] = spec.top_children
-        return get_factory(name)(**kwargs)
-    from specfleet.llm import load_model  # a model draft: load it like the target
+    node = parse(draft)
+    return build(node, spec, ModelCache(dtype, device, leaf_names(node)), target_vocab_size, device)
 
-    model, _ = load_model(draft, dtype, device, with_tokenizer=False)
-    cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes, spec.draft_kv_cache_bytes)
-    return DraftModelProposer(model, draft, cfg, target_vocab_size, device)
+
+def build(spec_text: str | Node, spec: SpecConfig, load_model: LoadModel, target_vocab_size: int | None = None,
+          device: torch.device | str = "cpu") -> Proposer:
+    node = parse(spec_text) if isinstance(spec_text, str) else spec_text
+    return _Builder(spec, load_model, target_vocab_size, torch.device(device)).build(node)
+
+
+def layer_cut(model, num_layers: int):
+    """A view of `model` with only its first `num_layers` layers, sharing every weight."""
+    total = model.config.num_layers
+    if not 1 <= num_layers <= total:
+        raise InvalidRequestError(f"cannot keep {num_layers} layers of a {total}-layer model")
+    cut = copy.copy(model)
+    cut._modules, cut._parameters, cut._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    cut.layers = torch.nn.ModuleList(list(model.layers)[:num_layers])
+    cut.config = replace(model.config, num_layers=num_layers)
+    return cut
+
+
+class ModelCache:
+    """Loads each model once: a base named with several depths (`m`, `m@12`) is loaded whole once and
+    the cut drafts share its weights; a base named with one depth only is loaded at that depth."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, names: list[str]):
+        self.dtype, self.device = dtype, device
+        self._variants: dict[str, set[str]] = {}
+        for n in names:
+            self._variants.setdefault(n.rpartition("@")[0] if "@" in n else n, set()).add(n)
+        self._models: dict[str, object] = {}
+
+    def __call__(self, name: str):
+        from specfleet.llm import load_model
+
+        base, _, depth = name.rpartition("@") if "@" in name else (name, "", "")
+        if len(self._variants.get(base, {name})) == 1:
+            key = name
+        else:
+            key = base
+            if depth and not depth.isdigit():
+                raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {depth!r}")
+        if key not in self._models:
+            self._models[key] = load_model(key, self.dtype, self.device, with_tokenizer=False)[0]
+        model = self._models[key]
+        return layer_cut(model, int(depth)) if key != name else model
+
+
+def _guess(raw: str):
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+class _Builder:
+    def __init__(self, spec: SpecConfig, load_model: LoadModel, vocab: int | None, device: torch.device):
+        self.spec, self.load_model, self.vocab, self.device = spec, load_model, vocab, device
+        self.shared: dict[str, Proposer] = {}  # canonical leaf text -> proposer
+        self.ngram_models: dict[tuple, NgramModel] = {}
+
+    def build(self, node: Node) -> Proposer:
+        return getattr(self, f"_{node.kind}")(node)
+
+    def _leaf(self, node: Node) -> Proposer:
+        key = str(node)
+        if key not in self.shared:
+            self.shared[key] = self._new_leaf(node)
+        return self.shared[key]
+
+    def _new_leaf(self, node: Node) -> Proposer:
+        spec, name, opts = self.spec, node.name, node.options
+        label = str(node)
+        if name in LOOKUP_NAMES:
+            cfg = apply_options(PromptLookupConfig(spec.num_speculative_tokens, num_branches=spec.top_children),
+                                opts, name, LOOKUP_ALIASES)
+            return PromptLookupProposer(cfg, name=label if opts else "prompt-lookup")
+        if name == "ngram":
+            cfg = apply_options(replace(spec.ngram, num_speculative_tokens=spec.num_speculative_tokens), opts, name,
+                                MODEL_ALIASES)
+            cfg.validate()
+            return NgramProposer(cfg, self._ngram_model(cfg), name=label)
+        if name in registered_names():
+            kwargs = {k: _guess(v) for k, v in opts.items()}  # a plugin's factory: types unknown here
+            kwargs.setdefault("num_speculative_tokens", spec.num_speculative_tokens)
+            return get_factory(name)(**kwargs)
+        return self._model_draft(node, label)
+
+    def _model_draft(self, node: Node, label: str) -> DraftModelProposer:
+        spec = self.spec
+        cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes,
+                               spec.draft_kv_cache_bytes)
+        cfg = apply_options(cfg, node.options, f"draft model {node.name!r}", MODEL_ALIASES)
+        return DraftModelProposer(self.load_model(node.name), label, cfg, self.vocab, self.device)
+
+    def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
+        key = (cfg.order, cfg.min_count, cfg.path)  # one set of tables per distinct setting, shared
+        if key not in self.ngram_models:
+            self.ngram_models[key] = NgramModel.load(cfg.path, cfg.min_count) if cfg.path \
+                else NgramModel(cfg.order, cfg.min_count)
+        return self.ngram_models[key]
+
+    def _staged(self, node: Node) -> Proposer:
+        inner = node.children[0]
+        if inner.kind != "leaf" or inner.name in LOOKUP_NAMES or inner.name in ("ngram", *registered_names()):
+            raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
+                                      f"follow a model name, as in qwen-0.5b+ngram")
+        # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path)
+        table_keys = {"order", "min_count", "path"}
+        cfg = apply_options(self.spec.staged, {k: v for k, v in node.options.items() if k not in table_keys}, "+ngram")
+        tables = apply_options(self.spec.ngram, {k: v for k, v in node.options.items() if k in table_keys}, "+ngram")
+        tables.validate()
+        # its own DraftModelProposer (the weights are shared): a draft cache must not be drafted from
+        # twice in one step, which a vote over `m` and `m+ngram` would otherwise do
+        draft = self._model_draft(inner, str(inner))
+        ngram = self._ngram_model(tables)
+        staged = StagedProposer(draft, ngram, cfg)
+        staged.name = str(node)
+        return staged
+
+    def _vote(self, node: Node) -> Proposer:
+        children = [self.build(c) for c in node.children]
+        seen: set[int] = set()
+        for leaf in (leaf for c in children for leaf in leaves(c)):
+            if id(leaf) in seen:
+                raise InvalidRequestError(f"{node}: a draft appears twice inside one vote; each voter must be distinct")
+            seen.add(id(leaf))
+        return VoteProposer(children, apply_options(self.spec.vote, node.options, "vote"), name=str(node))
+
+    def _select(self, node: Node) -> Proposer:
+        arms = [self.build(c) for c in node.children]
+        return SelectorProposer(arms, apply_options(self.spec.selector, node.options, "select"), name=str(node))
+
+    def _adaptive(self, node: Node) -> Proposer:
+        inner = self.build(node.children[0])
+        cfg = apply_options(self.spec.length, node.options, "+adaptive")
+        return LengthController(inner, cfg, initial=self.spec.num_speculative_tokens)

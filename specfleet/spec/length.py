@@ -1,0 +1,203 @@
+"""Minions' adaptive speculation length: a controller around any proposer.
+
+The speculation length s trades draft work and verification cost against tokens kept per step; the
+best s moves with the batch size, the data and the draft. An online monitor records, per step, the
+step's cost and its verified length (tokens committed); its statistic is y = cost / verified tokens,
+the time per emitted token (Minions' t_LLM / vl). Once at least `decision_threshold` observations
+have arrived since the last change, a least-squares line is fitted to y over the observations of the
+previous length followed by those of the current one:
+
+- rising slope: the last change made tokens dearer; it overshot, so move back (by `punish_step`);
+- falling (or flat) slope: the last change paid off, so continue in the same direction (by
+  `reward_step`); a flat first window therefore probes upwards.
+
+Minions applies the rule after increases (rising -> decrease, falling -> increase); we also apply it
+after decreases, as hill climbing, so the controller can walk down to 0 when speculation does not
+pay (large batches, a poor draft) and back up when it does again. At 0 the inner proposer is not
+called at all: plain decoding. When a move is blocked by a bound, the direction is still remembered,
+so a later rising trend (conditions changed) turns the controller back inwards.
+
+Adaptation to this engine: Minions pipelines drafting behind verification, so t_LLM alone is its
+cost. Here drafting may run on the critical path between verifications, so the cost is wall time
+between a request's consecutive drafts (draft + verify + bookkeeping), summed over the requests of
+a `propose` call and divided by the tokens they gained (y = time per token per request, which at a
+steady batch size is proportional to 1 / throughput). That also makes s = 0 measurable, where there
+is no draft to be given feedback about.
+
+Worked example (decision_threshold 3, s = 4 after an increase from 3): y at s=3 was [10, 10, 10] ms,
+at s=4 [12, 12, 12]: the fit rises, so s goes back to 3 and the next move's direction is "down"; if
+y at s=3 is then [9, 9, 9] the fit over [12 x3, 9 x3] falls, so the controller continues down to 2.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from specfleet.errors import InvalidRequestError
+from specfleet.spec.proposer import Feedback, Proposer
+from specfleet.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class LengthConfig:
+    initial_length: int = -1  # -1: start at the spec's num_speculative_tokens
+    min_length: int = 0  # 0 allows turning speculation off entirely
+    max_length: int = 8
+    decision_threshold: int = 8  # observations since the last change before the next decision
+    reward_step: int = 1  # Minions' s_reward: how far to continue after a change that paid off
+    punish_step: int = 1  # Minions' s_punish: how far to move back after a change that overshot
+    # a fitted rise of y across the window below this fraction of mean(y) is not taken as overshooting
+    # (0 = any rise is, as in Minions); measurement noise is the reason to raise it
+    flat_tolerance: float = 0.0
+
+    def validate(self) -> None:
+        if not 0 <= self.min_length <= self.max_length:
+            raise InvalidRequestError(f"adaptive length: need 0 <= min_length <= max_length, got "
+                                      f"{self.min_length}, {self.max_length}")
+        if self.initial_length < -1:
+            raise InvalidRequestError(f"adaptive length: initial_length must be >= 0 (or -1 for the spec's "
+                                      f"length), got {self.initial_length}")
+        if self.decision_threshold < 2:
+            raise InvalidRequestError("adaptive length: decision_threshold must be >= 2 (a line needs two points)")
+        if self.reward_step < 1 or self.punish_step < 1 or self.flat_tolerance < 0:
+            raise InvalidRequestError("adaptive length: reward_step and punish_step must be >= 1, "
+                                      "flat_tolerance >= 0")
+
+
+def set_speculation_length(proposer: Proposer, n: int) -> bool:
+    """Tell a proposer to draft `n` tokens deep; False when it has no such setting."""
+    setter = getattr(proposer, "set_num_speculative_tokens", None)
+    if setter is not None:
+        setter(n)
+        return True
+    config = getattr(proposer, "config", None)
+    if config is not None and hasattr(config, "num_speculative_tokens"):
+        try:
+            config.num_speculative_tokens = n  # DraftModelConfig, PromptLookupConfig: mutable dataclasses
+        except AttributeError:  # frozen: replace it
+            proposer.config = replace(config, num_speculative_tokens=n)
+        return True
+    return False
+
+
+def prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The nodes at depth <= max_depth (closed under ancestors, so still a valid tree)."""
+    depths = tree.depths()
+    keep = [j for j, d in enumerate(depths) if d <= max_depth]
+    if len(keep) == len(tree):
+        return tree
+    index = {old: new for new, old in enumerate(keep)}
+    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
+    return DraftTree([tree.token_ids[j] for j in keep], [index.get(tree.parents[j], -1) for j in keep],
+                     [tree.origins[j] for j in keep], probs)
+
+
+def fitted_slope(ys: list[float]) -> float:
+    """Least-squares slope of ys against 0, 1, 2, ..."""
+    n = len(ys)
+    mx = (n - 1) / 2
+    my = sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in range(n))
+    return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sxx if sxx else 0.0
+
+
+class LengthMonitor:
+    """The pure decision rule (no clocks): feed observations, read `length`."""
+
+    def __init__(self, config: LengthConfig, initial: int):
+        config.validate()
+        self.config = config
+        self.length = min(max(initial, config.min_length), config.max_length)
+        self.direction = +1  # the last move; the start counts as an increase, as in Minions
+        self.previous: list[float] = []  # y at the length before the last decision
+        self.current: list[float] = []  # y since the last decision
+        self.history: list[tuple[int, int]] = []  # (observation count, new length) per decision
+        self.num_observations = 0
+
+    def record(self, y: float) -> bool:
+        """One step's time per verified token; True when this triggered a change of length."""
+        self.current.append(y)
+        self.num_observations += 1
+        if len(self.current) < self.config.decision_threshold:
+            return False
+        window = self.previous[-self.config.decision_threshold:] + self.current
+        rise = fitted_slope(window) * (len(window) - 1)  # the fitted change of y across the window
+        old = self.length
+        if rise > self.config.flat_tolerance * sum(window) / len(window):  # overshot: move back
+            self.direction = -self.direction
+            step = self.config.punish_step
+        else:  # falling (or flat: keep probing in the same direction)
+            step = self.config.reward_step
+        self.length = min(max(old + self.direction * step, self.config.min_length), self.config.max_length)
+        self.previous, self.current = self.current, []
+        if self.length != old:
+            self.history.append((self.num_observations, self.length))
+        return self.length != old
+
+
+class LengthController:
+    """A proposer that drafts through `inner` at the length the monitor chooses."""
+
+    def __init__(self, inner: Proposer, config: LengthConfig | None = None, initial: int = 4):
+        self.inner = inner
+        self.children = [inner]
+        self.config = config or LengthConfig()
+        self.monitor = LengthMonitor(self.config, initial if self.config.initial_length < 0 else self.config.initial_length)
+        self.name = f"{inner.name}+adaptive"
+        self._can_set = set_speculation_length(inner, max(self.monitor.length, 1))
+        self._seen: dict[str, tuple[float, int]] = {}  # request id -> (time of its last draft, num_tokens)
+        self.overhead_s = {"fit": 0.0}
+
+    @property
+    def length(self) -> int:
+        return self.monitor.length
+
+    @property
+    def weights(self) -> dict:
+        return dict(getattr(self.inner, "weights", {}) or {})
+
+    @property
+    def draft_stats(self) -> dict:
+        return dict(getattr(self.inner, "draft_stats", {}) or {})
+
+    def _observe_step(self, requests: list, now: float) -> None:
+        """y since these requests' previous drafts: wall time over the tokens they gained. Per request
+        (not per call), so it also holds when a pipelined drafter drafts micro-batches in turn."""
+        t0 = time.perf_counter()
+        elapsed, gained = 0.0, 0
+        for r in requests:
+            last = self._seen.get(r.request_id)
+            if last is not None:
+                elapsed += now - last[0]
+                gained += r.num_tokens - last[1]
+            self._seen[r.request_id] = (now, r.num_tokens)
+        if gained > 0 and self.monitor.record(elapsed / gained) and self.monitor.length > 0:
+            set_speculation_length(self.inner, self.monitor.length)
+        self.overhead_s["fit"] += time.perf_counter() - t0
+
+    def propose(self, requests: list) -> dict[str, DraftTree]:
+        self._observe_step(requests, time.perf_counter())
+        s = self.monitor.length
+        if s == 0:
+            return {}
+        trees = self.inner.propose(requests)
+        if not self._can_set:  # the inner proposer ignores lengths: cut its trees instead
+            trees = {rid: prune_depth(t, s) for rid, t in trees.items()}
+        return trees
+
+    def observe(self, feedback: list[Feedback]) -> None:
+        self.inner.observe(feedback)
+
+    def release(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+        self.inner.release(request_id)
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        """An outer controller (or the user) resets the length; learning continues from there."""
+        self.monitor.length = min(max(n, self.config.min_length), self.config.max_length)
+        if self.monitor.length > 0:
+            set_speculation_length(self.inner, self.monitor.length)
+
+    def prepare(self, requests: list) -> None:
+        from specfleet.spec.compose import prepare_kv
+        prepare_kv(self.inner, requests)
