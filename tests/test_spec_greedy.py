@@ -131,3 +131,15 @@ def test_stop_token_inside_an_accepted_run_ends_at_that_token(target):
         assert eng.stats.num_accepted > 0
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_drafting_twice_without_a_commit_gives_the_same_draft(target, draft):
+    from specfleet.engine.request import Request
+
+    proposer = DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=64 << 10))
+    req = Request("r", random_prompts([9])[0], GREEDY)
+    first = proposer.propose([req])["r"]
+    second = proposer.propose([req])["r"]
+    assert first.token_ids == second.token_ids and len(first) == 4
+    proposer.release("r")
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
