@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -47,35 +48,73 @@ def _cpu_name() -> str:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name if sys.argv[0].endswith("specfleet") else
-                                             "python " + sys.argv[0]] + sys.argv[1:])
+    """The command as typed: `specfleet ...`, `python -m package ...` or `python script ...`."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if sys.argv[0].endswith("specfleet"):
+        head = [Path(sys.argv[0]).name]
+    elif main_spec is not None and main_spec.name:
+        head = ["python", "-m", main_spec.name.removesuffix(".__main__")]
+    else:
+        head = ["python", sys.argv[0]]
+    return " ".join(shlex.quote(a) for a in head + sys.argv[1:])
+
+
+def run_metadata(name: str, device: str = "cpu", dtype: str = "", command: str | None = None) -> dict:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return {"benchmark": name, "timestamp_utc": stamp, "command": command or command_line(), "dtype": dtype,
+            "machine": machine_info(device)}
+
+
+def markdown_header(meta: dict) -> str:
+    m, device = meta["machine"], meta["machine"]["device"]
+    return (f"# {meta['benchmark']}\n\n- command: `{meta['command']}`\n- when (UTC): {meta['timestamp_utc']}\n"
+            f"- machine: {m['cpu']}, {m['cpu_count']} cores, torch threads {m['torch_threads']}"
+            f"{', GPU ' + m['gpu'] if 'gpu' in m else ''}\n- device: {device}, dtype: {meta['dtype']}\n"
+            f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
 
 
 def write_results(name: str, payload: dict, markdown_body: str, device: str = "cpu", dtype: str = "") -> Path:
-    """Write <name>-<timestamp>.json and .md; returns the JSON path."""
+    """Write <name>-<device>-<timestamp>.json and .md under RESULTS_DIR; returns the JSON path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    meta = {"benchmark": name, "timestamp_utc": stamp, "command": command_line(), "dtype": dtype,
-            "machine": machine_info(device)}
-    base = RESULTS_DIR / f"{name}-{device.split(':')[0]}-{stamp}"
+    meta = run_metadata(name, device, dtype)
+    base = RESULTS_DIR / f"{name}-{device.split(':')[0]}-{meta['timestamp_utc']}"
     base.with_suffix(".json").write_text(json.dumps({**meta, "results": payload}, indent=2))
-    m = meta["machine"]
-    header = (f"# {name}\n\n- command: `{meta['command']}`\n- when (UTC): {stamp}\n"
-              f"- machine: {m['cpu']}, {m['cpu_count']} cores, torch threads {m['torch_threads']}"
-              f"{', GPU ' + m['gpu'] if 'gpu' in m else ''}\n- device: {device}, dtype: {dtype}\n"
-              f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
-    base.with_suffix(".md").write_text(header + markdown_body + "\n")
+    base.with_suffix(".md").write_text(markdown_header(meta) + markdown_body + "\n")
     return base.with_suffix(".json")
 
 
-def md_table(rows: list[dict], columns: list[str]) -> str:
-    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+def write_folder(out_dir: Path, meta: dict, payload: dict, markdown_body: str) -> tuple[Path, Path]:
+    """Write results.json and report.md into `out_dir` (created); returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "report.md"
+    json_path.write_text(json.dumps(_finite({**meta, "results": payload}), indent=2, default=str))
+    md_path.write_text(markdown_header(meta) + markdown_body + "\n")
+    return json_path, md_path
+
+
+def _finite(value):
+    """The same structure with NaN and infinities as null, so the file is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def md_table(rows: list[dict], columns: list[str], headers: list[str] | None = None) -> str:
+    out = ["| " + " | ".join(headers or columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
     return "\n".join(out)
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
+        if v != v:  # nan
+            return "-"
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)

@@ -1,0 +1,146 @@
+"""Named benchmark presets. A preset is one or more parts (a target model, a prompt set, batch sizes
+and systems each) plus the claims the issues make, checked as ratios in the report.
+
+Every option of `specfleet bench` overrides the matching field in every part of a preset, so
+`specfleet bench spec --num-prompts 2 --max-tokens 8` is a quick smoke run of the same setup.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specfleet.errors import SpecfleetError
+
+QWEN_15B, QWEN_05B = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "custom"
+    model: str = QWEN_15B
+    systems: tuple[str, ...] = ("specfleet:none", "specfleet:qwen-0.5b", "hf", "hf-assisted:qwen-0.5b")
+    dataset: str = "humaneval"
+    num_prompts: int = 8
+    shuffle_seed: int | None = None  # None: the first prompts in file order
+    max_prompt_tokens: int = 1024
+    chat: str = "auto"  # auto (the dataset's default) | on | off
+    batch_sizes: tuple[int, ...] = (1,)
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    spec_len: int = 4
+    kv_cache_mb: int | None = None
+    baseline: str | None = None  # speed-ups are against this system; default: the first specfleet:none
+
+
+@dataclass(frozen=True)
+class Check:
+    """A claim: metric(system a at batch a) / metric(system b at batch b) >= min_ratio, in one part."""
+
+    label: str
+    part: str
+    a: tuple[str, int]
+    b: tuple[str, int]
+    metric: str
+    min_ratio: float
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    runs: tuple[RunConfig, ...]
+    checks: tuple[Check, ...] = ()
+    expected_duration: str = ""
+
+    def with_overrides(self, **overrides) -> "Preset":
+        fields = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self, runs=tuple(replace(r, **fields) for r in self.runs))
+
+
+def _decode_part(name: str, model: str) -> RunConfig:
+    return RunConfig(name=name, model=model, systems=("specfleet:none", "hf"), dataset="humaneval", num_prompts=8,
+                     batch_sizes=(1, 8), max_tokens=32, ignore_eos=True)
+
+
+def _decode_checks(part: str, size: str) -> tuple[Check, ...]:
+    return (Check(f"{size} single-request decode tok/s: specfleet >= transformers", part, ("specfleet:none", 1),
+                  ("hf", 1), "decode_throughput_tok_s", 1.0),
+            Check(f"{size} aggregate decode tok/s: 8 concurrent >= 4x one", part, ("specfleet:none", 8),
+                  ("specfleet:none", 1), "decode_throughput_tok_s", 4.0))
+
+
+_ALL = ("specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "hf", "hf-assisted:qwen-0.5b")
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("tiny", "smoke test: SmolLM2-135M, 2 HumanEval prompts, 8 tokens, fp32",
+           (RunConfig(name="tiny", model="smollm2-135m-instruct", dataset="humaneval", num_prompts=2,
+                      systems=("specfleet:none", "specfleet:prompt-lookup", "hf", "hf-assisted:prompt-lookup"),
+                      batch_sizes=(1, 2), max_tokens=8, dtype="float32"),),
+           expected_duration="under a minute"),
+    Preset("decode", "issue 2: single-request decode tok/s, specfleet vs transformers.generate, 0.5B and 1.5B "
+           "in bf16 (8 HumanEval prompts, 32 tokens each, EOS ignored), and 8 concurrent requests vs 1",
+           (_decode_part("qwen-0.5b", QWEN_05B), _decode_part("qwen-1.5b", QWEN_15B)),
+           _decode_checks("qwen-0.5b", "0.5B") + _decode_checks("qwen-1.5b", "1.5B"),
+           expected_duration="about 10-12 minutes on 2 CPU cores"),
+    Preset("spec", "issue 3: 1.5B target + 0.5B draft, greedy, bf16, the first 20 HumanEval prompts, 64 new "
+           "tokens, batch 1 (specfleet spec vs transformers assisted vs specfleet AR), then batch 4 and 16 "
+           "throughput with and without speculation on the first 16 prompts",
+           (RunConfig(name="batch1", systems=("specfleet:none", "specfleet:qwen-0.5b", "hf-assisted:qwen-0.5b"),
+                      num_prompts=20, max_tokens=64, batch_sizes=(1,)),
+            RunConfig(name="batched", systems=("specfleet:none", "specfleet:qwen-0.5b"), num_prompts=16,
+                      max_tokens=64, batch_sizes=(4, 16))),
+           (Check("batch 1: specfleet spec >= 1.1x transformers assisted", "batch1", ("specfleet:qwen-0.5b", 1),
+                  ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.1),
+            Check("batch 1: specfleet spec >= 1.8x specfleet autoregressive", "batch1", ("specfleet:qwen-0.5b", 1),
+                  ("specfleet:none", 1), "throughput_tok_s", 1.8),
+            Check("batch 4: speculation vs none (reported, not a target)", "batched", ("specfleet:qwen-0.5b", 4),
+                  ("specfleet:none", 4), "throughput_tok_s", 0.0),
+            Check("batch 16: speculation vs none (reported, not a target)", "batched", ("specfleet:qwen-0.5b", 16),
+                  ("specfleet:none", 16), "throughput_tok_s", 0.0)),
+           expected_duration="about 50-60 minutes on 2 CPU cores (batch 1: ~40 min, batches 4/16: ~15 min)"),
+    Preset("cpu", "issue 7: the embedded family on the CPU, greedy, bf16 - every system on 4 HumanEval prompts "
+           "(32 new tokens), then 4 ShareGPT first turns (24 new tokens) at batch 1 and 4",
+           (RunConfig(name="humaneval", systems=_ALL, num_prompts=4, max_tokens=32, batch_sizes=(1,)),
+            RunConfig(name="sharegpt", dataset="sharegpt", shuffle_seed=0, max_prompt_tokens=160,
+                      systems=("specfleet:none", "specfleet:qwen-0.5b", "hf"), num_prompts=4, max_tokens=24,
+                      batch_sizes=(1, 4))),
+           (Check("HumanEval: specfleet spec vs autoregressive", "humaneval", ("specfleet:qwen-0.5b", 1),
+                  ("specfleet:none", 1), "throughput_tok_s", 1.0),
+            Check("HumanEval: specfleet spec vs transformers assisted", "humaneval", ("specfleet:qwen-0.5b", 1),
+                  ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.0)),
+           expected_duration="about 15 minutes on 2 CPU cores"),
+    Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
+           (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
+                      batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),
+            RunConfig(name="sharegpt", dataset="sharegpt", shuffle_seed=0, num_prompts=256, systems=_ALL,
+                      max_tokens=256, device="cuda", batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),
+            RunConfig(name="chitchat", dataset="chitchat", shuffle_seed=0, num_prompts=256, systems=_ALL,
+                      max_tokens=128, device="cuda", batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192)),
+           (Check("HumanEval batch 1: specfleet spec vs transformers assisted", "humaneval",
+                  ("specfleet:qwen-0.5b", 1), ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.1),
+            Check("HumanEval batch 1: specfleet spec vs autoregressive", "humaneval", ("specfleet:qwen-0.5b", 1),
+                  ("specfleet:none", 1), "throughput_tok_s", 1.0)),
+           expected_duration="hours at full size: pass --num-prompts 32 for a run of minutes"),
+)}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise SpecfleetError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} "
+                             "(or give no preset and set the options yourself)")
+    return PRESETS[name]
+
+
+def select_parts(preset: Preset, names: list[str] | None) -> Preset:
+    if not names:
+        return preset
+    known = [r.name for r in preset.runs]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SpecfleetError(f"preset {preset.name} has no part(s) {unknown}; its parts are {known}")
+    return replace(preset, runs=tuple(r for r in preset.runs if r.name in names))

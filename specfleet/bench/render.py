@@ -1,0 +1,87 @@
+"""The Markdown body of a benchmark report: roofline line, one table per part, checks, plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specfleet.bench.report import md_table
+
+COLUMNS = [
+    ("system", "system"), ("batch_size", "batch"), ("throughput_tok_s", "tok/s"),
+    ("decode_throughput_tok_s", "decode tok/s"), ("request_tok_s_mean", "req tok/s"),
+    ("normalized_latency_ms_p50", "norm. lat. p50 ms/tok"), ("normalized_latency_ms_p90", "p90"),
+    ("ttft_ms_mean", "TTFT ms"), ("acceptance_rate", "accept rate"), ("mean_accepted_length", "mean acc. len"),
+    ("draft_time_share", "draft share"), ("goodput_tok_s", "goodput tok/s"),
+    ("speedup_throughput", "speed-up"), ("roofline_fraction", "of roofline"), ("baseline_match_rate", "= AR out"),
+]
+
+
+def render_markdown(payload: dict, plots: dict[str, list[Path]]) -> str:
+    out = [payload["description"], ""]
+    if payload.get("expected_duration"):
+        out += [f"Expected duration of the preset as defined (options given on the command line change it): "
+                f"{payload['expected_duration']}.", ""]
+    for device, bw in payload["bandwidth_bytes_s"].items():
+        out.append(f"Measured memory bandwidth ({device}, large tensor copy): {bw / 1e9:.1f} GB/s.")
+    out += ["", *_checks(payload["checks"])]
+    for part in payload["parts"]:
+        out += _part(part, plots.get(part["name"], []))
+    out += ["## How to read this", "",
+            "- tok/s: output tokens of all requests / wall time of all waves (a wave = `batch` prompts "
+            "submitted together); decode tok/s leaves each wave's prefill out.",
+            "- req tok/s: mean over requests of output tokens / latency; norm. lat.: latency / output tokens.",
+            "- accept rate = accepted / drafted tokens; mean acc. len = tokens per target pass, counting the "
+            "bonus token (1.0 = plain decoding); for transformers it is output tokens / target passes (batch 1).",
+            "- draft share = drafting time / (drafting + verification); goodput = tokens / that time.",
+            "- speed-up: tok/s over the baseline's at the same batch size, same run.",
+            "- of roofline: tok/s over B x (bandwidth / weight bytes per step); above 1 is only possible "
+            "with speculation (several tokens per weight read).",
+            "- = AR out: fraction of requests whose output ids equal the baseline's (bf16 rounding can differ "
+            "between batched verification and one-token decoding, so greedy outputs may legitimately diverge).",
+            ""]
+    return "\n".join(out)
+
+
+def _checks(checks: list[dict]) -> list[str]:
+    if not checks:
+        return []
+    lines = ["## Checks", ""]
+    for c in checks:
+        ratio = "not measured" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+        verdict = {True: "PASS", False: "FAIL", None: "info"}[c["passed"]]
+        target = f" (target >= {c['min_ratio']}x)" if c["min_ratio"] > 0 else ""
+        lines.append(f"- **{verdict}** {c['label']}: {ratio}{target} "
+                     f"[{c['metric']}: {c['a'][0]} @ {c['a'][1]} / {c['b'][0]} @ {c['b'][1]}, part {c['part']}]")
+    return lines + [""]
+
+
+def _part(part: dict, plots: list[Path]) -> list[str]:
+    cfg = part["config"]
+    sampling = "greedy" if cfg["temperature"] == 0 else \
+        f"temperature {cfg['temperature']}, top-k {cfg['top_k']}, top-p {cfg['top_p']}, seed {cfg['seed']}"
+    lengths = [p["prompt_tokens"] for p in part["prompts"]]
+    subset = "first" if cfg["shuffle_seed"] is None else f"seed-{cfg['shuffle_seed']} shuffled"
+    lines = [f"## {part['name']}", "",
+             f"- target: {cfg['model']}, {cfg['dtype']} on {cfg['device']}; baseline: {part['baseline'] or '-'}",
+             f"- prompts: {subset} {len(lengths)} of {cfg['dataset']} "
+             f"({'chat template' if part['chat_template'] else 'raw text'}), prompt tokens "
+             f"{min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f})",
+             f"- generation: {sampling}, up to {cfg['max_tokens']} new tokens"
+             f"{', EOS ignored' if cfg['ignore_eos'] else ''}; batch sizes {list(cfg['batch_sizes'])}; "
+             f"default draft length {cfg['spec_len']}"]
+    if part["roofline_tok_s"]:
+        lines.append(f"- roofline: {part['weight_bytes_per_step'] / 1e9:.2f} GB of target weights read per step "
+                     f"-> at most {part['roofline_tok_s']:.2f} tok/s per sequence for plain decoding")
+    for s in part["systems"]:
+        if s["settings"]:
+            lines.append(f"- {s['label']}: " + ", ".join(f"{k}={v}" for k, v in s["settings"].items()))
+    for s in part["skipped"]:
+        lines.append(f"- skipped {s['system']} at batch {s['batch_size']}: {s['reason']}")
+    keys, headers = zip(*COLUMNS)
+    lines += ["", md_table(part["summaries"], list(keys), list(headers)), ""]
+    split = [r for r in part["summaries"] if r.get("draft_time_s") is not None and r.get("verify_time_s")]
+    if split:
+        lines += ["Time split (seconds summed over requests):", "",
+                  md_table(split, ["system", "batch_size", "draft_time_s", "verify_time_s", "steps", "drafted",
+                                   "accepted"]), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    return lines + [""]

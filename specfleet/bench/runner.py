@@ -1,0 +1,274 @@
+"""Running a preset: load each model once, tokenize the prompts once, then run every system over the
+same prompt ids at every batch size, one wave of `batch_size` prompts at a time.
+
+Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once,
+time its waves at each batch size, close it -> compare outputs with the baseline -> summarize.
+Systems run one after another in the same process (not interleaved) so that only one system's KV
+cache and draft are alive at a time; loaded weights are shared through a ModelPool, which drops a
+model once no remaining system of the part needs it (a 1.5B target and its transformers copy are
+then never in memory together when the specfleet systems come first).
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, replace
+
+import torch
+from tqdm import tqdm
+
+from specfleet.bench import datasets, metrics
+from specfleet.bench.hf import PROMPT_LOOKUP_NAMES, HFSystem, load_hf_model
+from specfleet.bench.presets import Preset, RunConfig
+from specfleet.bench.roofline import measure_bandwidth, weight_bytes_per_step
+from specfleet.bench.systems import Settings, SpecfleetSystem, SystemSpec, parse_system
+from specfleet.errors import SpecfleetError
+from specfleet.runtime.build import parse_device, parse_dtype
+
+
+class ModelPool:
+    """Loaded models by key: each loads on first use and is dropped as soon as no remaining system
+    needs it, so a specfleet target and a transformers copy of it are rarely alive together."""
+
+    def __init__(self):
+        self._models: dict[tuple, object] = {}
+
+    def get(self, key: tuple, load):
+        if key not in self._models:
+            self._models[key] = load()
+        return self._models[key]
+
+    def keep_only(self, keys: set[tuple]) -> None:
+        for key in [k for k in self._models if k not in keys]:
+            del self._models[key]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _keys(specs: list[SystemSpec], cfg: RunConfig) -> set[tuple]:
+    """The pool entries these systems use."""
+    keys = {_ours_key(cfg)} if any(s.kind == "specfleet" for s in specs) else set()
+    if any(s.kind != "specfleet" for s in specs):
+        keys.add(("hf", cfg.model, cfg.dtype, cfg.device))
+    return keys | {("hf", s.draft, cfg.dtype, cfg.device) for s in specs if _is_hf_model_draft(s)}
+
+
+def _ours_key(cfg: RunConfig) -> tuple:
+    return ("ours", cfg.model, cfg.dtype, cfg.device)
+
+
+def _is_hf_model_draft(spec: SystemSpec) -> bool:
+    return spec.kind == "hf-assisted" and spec.draft.lower() not in PROMPT_LOOKUP_NAMES
+
+
+def validate(preset: Preset) -> None:
+    """Catch mistakes before anything loads: bad system names, batch sizes, token counts, devices."""
+    for cfg in preset.runs:
+        specs = [parse_system(s) for s in cfg.systems]  # raises on a bad name
+        if not specs:
+            raise SpecfleetError(f"part {cfg.name}: no systems to run")
+        if len({s.label for s in specs}) != len(specs):
+            raise SpecfleetError(f"part {cfg.name}: a system is listed twice: {list(cfg.systems)}")
+        if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
+            raise SpecfleetError(f"part {cfg.name}: batch sizes must be positive integers, got {cfg.batch_sizes}")
+        if cfg.max_tokens < 1 or cfg.num_prompts < 1:
+            raise SpecfleetError(f"part {cfg.name}: --max-tokens and --num-prompts must be at least 1")
+        if cfg.chat not in ("auto", "on", "off"):
+            raise SpecfleetError(f"part {cfg.name}: --chat must be auto, on or off, got {cfg.chat!r}")
+        parse_dtype(cfg.dtype)
+        parse_device(cfg.device)
+
+
+def check_hf_drafts(preset: Preset) -> None:
+    """Every hf-assisted draft that is not prompt lookup must resolve to a model, before any run starts."""
+    for cfg in preset.runs:
+        for s in map(parse_system, cfg.systems):
+            if _is_hf_model_draft(s):
+                _check_hf_draft(s)
+
+
+def _check_hf_draft(spec: SystemSpec) -> None:
+    from specfleet.models.registry import resolve_model
+
+    try:
+        resolve_model(spec.draft.rpartition("@")[0] if "@" in spec.draft else spec.draft)
+    except SpecfleetError as e:
+        raise SpecfleetError(f"system {spec.label!r}: transformers assists only with a draft model or prompt "
+                             f"lookup, and {spec.draft!r} did not load as a model: {e}") from e
+
+
+def run_preset(preset: Preset, install: bool = False, progress: bool = True) -> dict:
+    validate(preset)
+    check_hf_drafts(preset)
+    if install:
+        needed = {c.dataset for c in preset.runs if c.dataset in datasets.DATASETS}
+        missing = [n for n in needed if not _dataset_installed(n)]
+        datasets.install_datasets(missing)
+    bandwidths: dict[str, float] = {}  # measured once per device type
+    parts = [run_part(cfg, bandwidths, progress) for cfg in preset.runs]
+    return {"preset": preset.name, "description": preset.description,
+            "expected_duration": preset.expected_duration,
+            "bandwidth_bytes_s": bandwidths, "parts": parts, "checks": evaluate_checks(preset, parts)}
+
+
+def _dataset_installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(datasets.DATASETS[name].module) is not None
+
+
+def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
+    from specfleet.llm import load_model
+
+    pool = ModelPool()
+    dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
+    target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device))
+    prompts, prompt_ids, is_chat = _prompts(cfg, tokenizer, target.config.max_position_embeddings)
+    if device.type not in bandwidths:
+        bandwidths[device.type] = measure_bandwidth(device)
+    weight_bytes = weight_bytes_per_step(target)
+    eos = tuple(target.config.eos_token_ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    del target, tokenizer  # the pool owns them now and drops them when no remaining system needs them
+    bound = metrics.roofline_tok_s(bandwidths[device.type], weight_bytes)
+    specs = [parse_system(s) for s in cfg.systems]
+    baseline = cfg.baseline or next((s.label for s in specs if s.is_autoregressive), None)
+    settings = Settings(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, cfg.ignore_eos)
+    waves_total = sum(-(-len(prompt_ids) // b) for b in cfg.batch_sizes) * len(specs)
+    bar = tqdm(total=waves_total, desc=cfg.name, unit="wave", disable=not progress, dynamic_ncols=True)
+    timed = _Timings()
+    system_info = []
+    for i, spec in enumerate(specs):
+        bar.set_postfix_str(f"{spec.label}: loading")
+        pool.keep_only(_keys(specs[i:], cfg))
+        system = _build(spec, cfg, pool, eos, pad)
+        system_info.append({"label": spec.label, "kind": spec.kind, "draft": spec.draft, "settings": system.notes})
+        bar.set_postfix_str(f"{spec.label}: warm-up")
+        system.generate(prompt_ids[:1], replace(settings, max_tokens=min(8, settings.max_tokens)))
+        for b in cfg.batch_sizes:
+            timed.run(system, b, prompts, prompt_ids, settings, bar)
+        system.close()
+        del system
+    pool.keep_only(set())
+    bar.close()
+    timed.mark_matches(baseline, prompts)
+    summaries = timed.summaries(specs, cfg.batch_sizes)
+    metrics.add_speedups(summaries, baseline)
+    metrics.add_roofline(summaries, bound)
+    return {"name": cfg.name, "config": asdict(cfg), "chat_template": is_chat, "baseline": baseline,
+            "systems": system_info, "weight_bytes_per_step": weight_bytes, "roofline_tok_s": bound,
+            "prompts": [{"id": p.prompt_id, "prompt_tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
+            "summaries": summaries, "skipped": timed.skipped, "requests": [r.as_dict() for r in timed.requests]}
+
+
+class _Timings:
+    """What the waves measured: per-request records, per-wave records, output ids, skipped runs."""
+
+    def __init__(self):
+        self.requests: list[metrics.RequestRecord] = []
+        self.waves: list[metrics.WaveRecord] = []
+        self.outputs: dict[tuple[str, int, int], list[int]] = {}  # (system, batch, prompt index) -> ids
+        self.skipped: list[dict] = []
+
+    def run(self, system, b: int, prompts: list, prompt_ids: list[list[int]], settings: Settings, bar) -> None:
+        """Time `system` over all prompts in waves of `b`."""
+        if system.max_batch_size is not None and b > system.max_batch_size:
+            self.skipped.append({"system": system.label, "batch_size": b,
+                                 "reason": f"runs batch size {system.max_batch_size} at most"})
+            bar.update(-(-len(prompt_ids) // b))
+            return
+        bar.set_postfix_str(f"{system.label} batch {b}")
+        for start in range(0, len(prompt_ids), b):
+            wave = prompt_ids[start:start + b]
+            t0 = time.perf_counter()
+            gens = system.generate(wave, settings)
+            wall = time.perf_counter() - t0
+            for j, g in enumerate(gens):
+                self.outputs[(system.label, b, start + j)] = g.output_ids
+                self.requests.append(_record(system.label, b, prompts[start + j].prompt_id, len(wave[j]), g))
+            ttfts = [g.ttft_s for g in gens if g.ttft_s is not None]
+            self.waves.append(metrics.WaveRecord(system.label, b, len(wave), sum(len(g.output_ids) for g in gens),
+                                                 wall, max(ttfts) if ttfts else None,
+                                                 sum(g.num_first_tokens for g in gens)))
+            bar.update(1)
+
+    def mark_matches(self, baseline: str | None, prompts: list) -> None:
+        """Flag each request whose output ids equal the baseline system's for the same prompt and batch."""
+        index = {p.prompt_id: i for i, p in enumerate(prompts)}
+        for r in self.requests:
+            ref = self.outputs.get((baseline, r.batch_size, index[r.prompt_id]))
+            if ref is not None and r.system != baseline:
+                r.matches_baseline = self.outputs[(r.system, r.batch_size, index[r.prompt_id])] == ref
+
+    def summaries(self, specs: list[SystemSpec], batch_sizes) -> list[dict]:
+        rows = []
+        for spec in specs:
+            for b in batch_sizes:
+                rs = [r for r in self.requests if r.system == spec.label and r.batch_size == b]
+                ws = [w for w in self.waves if w.system == spec.label and w.batch_size == b]
+                if rs:
+                    rows.append({"system": spec.label, "batch_size": b, **metrics.summarize(rs, ws)})
+        return rows
+
+
+def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
+    if tokenizer is None:
+        raise SpecfleetError(f"{cfg.model} has no tokenizer; the benchmark needs one to encode prompts")
+    source, default_chat = datasets.iter_prompts(cfg.dataset)
+    is_chat = default_chat if cfg.chat == "auto" else cfg.chat == "on"
+    if is_chat and not getattr(tokenizer, "chat_template", None):
+        raise SpecfleetError(f"{cfg.model} has no chat template; rerun with --chat off")
+    limit = min(cfg.max_prompt_tokens, max_positions - cfg.max_tokens - 64)
+    encoded: dict[str, list[int]] = {}
+
+    def keep(p: datasets.Prompt) -> bool:
+        encoded[p.prompt_id] = encode_prompt(p, tokenizer, is_chat)
+        return 0 < len(encoded[p.prompt_id]) <= limit
+
+    prompts = datasets.select(source, cfg.num_prompts, cfg.shuffle_seed, keep)
+    return prompts, [encoded[p.prompt_id] for p in prompts], is_chat
+
+
+def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
+    """Token ids every system receives: the chat template exactly as specfleet's LLM.chat applies it."""
+    if chat:
+        text = tokenizer.apply_chat_template(prompt.as_messages(), tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt.as_raw_text(), add_special_tokens=True)
+
+
+def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int):
+    from specfleet.llm import load_model
+
+    dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
+    if spec.kind == "specfleet":
+        target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device))
+        return SpecfleetSystem(spec, cfg.model, target, tokenizer, dtype=cfg.dtype, device=cfg.device,
+                               spec_len=cfg.spec_len, max_batch_size=max(cfg.batch_sizes),
+                               kv_cache_mb=cfg.kv_cache_mb)
+    hf_target = pool.get(("hf", cfg.model, cfg.dtype, cfg.device), lambda: load_hf_model(cfg.model, dtype, device))
+    draft = None
+    if _is_hf_model_draft(spec):
+        draft = pool.get(("hf", spec.draft, cfg.dtype, cfg.device), lambda: load_hf_model(spec.draft, dtype, device))
+    return HFSystem(spec, hf_target, draft, device=device, spec_len=cfg.spec_len, pad_token_id=pad,
+                    eos_token_ids=eos)
+
+
+def _record(label: str, batch_size: int, prompt_id: str, prompt_tokens: int, g) -> metrics.RequestRecord:
+    s = g.spec
+    return metrics.RequestRecord(label, batch_size, prompt_id, prompt_tokens, len(g.output_ids), g.latency_s,
+                                 g.ttft_s, s.get("steps"), s.get("drafted"), s.get("accepted"),
+                                 s.get("draft_time_s"), s.get("verify_time_s"), s.get("accepted_at_depth"))
+
+
+def evaluate_checks(preset: Preset, parts: list[dict]) -> list[dict]:
+    by_name = {p["name"]: p for p in parts}
+    results = []
+    for c in preset.checks:
+        part = by_name.get(c.part)
+        ratio = metrics.ratio_check(part["summaries"], c.a, c.b, c.metric) if part else None
+        results.append({"label": c.label, "part": c.part, "a": list(c.a), "b": list(c.b), "metric": c.metric,
+                        "min_ratio": c.min_ratio, "ratio": ratio,
+                        "passed": None if ratio is None or c.min_ratio <= 0 else ratio >= c.min_ratio})
+    return results

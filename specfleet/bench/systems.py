@@ -1,0 +1,148 @@
+"""The systems a benchmark compares, behind one small interface.
+
+A system is named by a string:
+    specfleet:DRAFT[,key=value...]   specfleet with a draft (opaque: a model name/path, `none`,
+                                     `prompt-lookup`, or any strategy the proposer factory knows)
+    hf                               transformers `generate`, greedy or sampled
+    hf-assisted:DRAFT[,k=N]          transformers assisted generation: a draft model, or prompt
+                                     lookup for `prompt-lookup`/`ngram` (batch size 1 only)
+Shorthands: `ar` = `specfleet:none`, `transformers` = `hf`. specfleet options: k (draft tokens per
+step), width (tree branching), nodes (tree node budget); any other key is passed to `LLM(...)` as a
+keyword (so new engine settings, such as pipelining, need no change here).
+
+Every system takes token-id prompts (tokenized once by the runner, so all systems see the same
+ids) and returns one Generation per prompt with its own timings.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specfleet.errors import SpecfleetError
+
+SHORTHANDS = {"ar": "specfleet:none", "specfleet": "specfleet:none", "transformers": "hf"}
+KINDS = ("specfleet", "hf", "hf-assisted")
+_OPTION = re.compile(r"^[A-Za-z_]\w*=")
+SPECFLEET_OPTIONS = {"k": "num_speculative_tokens", "width": "top_children", "nodes": "max_nodes"}
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    label: str  # exactly as the user wrote it: the name in tables, plots and checks
+    kind: str
+    draft: str | None = None
+    options: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def is_autoregressive(self) -> bool:
+        return self.kind == "specfleet" and (self.draft or "none").lower() == "none"
+
+
+def parse_system(text: str) -> SystemSpec:
+    """`specfleet:vote(a,b),k=6` -> kind specfleet, draft `vote(a,b)`, options {k: 6}.
+
+    Options are the trailing comma-separated `key=value` parts; anything before them belongs to the
+    draft name, commas included, so composite draft names pass through untouched.
+    """
+    label = text.strip()
+    full = SHORTHANDS.get(label, label)
+    kind, _, rest = full.partition(":")
+    if kind not in KINDS:
+        raise SpecfleetError(f"unknown system {text!r}; write specfleet:DRAFT, hf, or hf-assisted:DRAFT "
+                             f"(shorthands: {', '.join(SHORTHANDS)})")
+    parts = rest.split(",") if rest else []
+    options = {}
+    while parts and _OPTION.match(parts[-1]):
+        key, _, value = parts.pop().partition("=")
+        options[key] = _literal(value)
+    draft = ",".join(parts) or None
+    if kind == "specfleet" and draft is None:
+        draft = "none"
+    if kind == "hf" and draft is not None:
+        raise SpecfleetError(f"system {text!r}: plain hf takes no draft; use hf-assisted:{draft}")
+    if kind == "hf-assisted" and (draft is None or draft.lower() == "none"):
+        raise SpecfleetError(f"system {text!r}: hf-assisted needs a draft, e.g. hf-assisted:qwen-0.5b")
+    return SystemSpec(label, kind, draft, dict(reversed(options.items())))
+
+
+def _literal(value: str):
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every system is asked to do for one wave."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    latency_s: float  # submission to last token
+    ttft_s: float | None
+    num_first_tokens: int = 1  # tokens already out at ttft_s (the prefill's one, or an assisted pass's)
+    spec: dict = field(default_factory=dict)  # steps, drafted, accepted, draft/verify time, depth counts
+
+
+class System(Protocol):
+    label: str
+    max_batch_size: int | None  # None: any batch size
+    notes: dict  # settings worth recording in the report
+
+    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]: ...
+
+    def close(self) -> None: ...
+
+
+class SpecfleetSystem:
+    """specfleet's offline API with the target model built once and handed in (shared by systems)."""
+
+    def __init__(self, spec: SystemSpec, model_name: str, target, tokenizer, *, dtype: str, device: str,
+                 spec_len: int, max_batch_size: int, kv_cache_mb: int | None):
+        from specfleet.llm import LLM
+
+        kwargs = {"num_speculative_tokens": spec_len, "max_num_seqs": max(1, max_batch_size)}
+        if kv_cache_mb:
+            kwargs["kv_cache_bytes"] = kv_cache_mb << 20
+        kwargs.update({SPECFLEET_OPTIONS.get(k, k): v for k, v in spec.options.items()})
+        try:
+            self.llm = LLM(model_name, spec.draft, dtype=dtype, device=device, _model=target, _tokenizer=tokenizer,
+                           **kwargs)
+        except TypeError as e:  # an option LLM does not take
+            raise SpecfleetError(f"system {spec.label!r}: {e}") from e
+        self.label = spec.label
+        self.max_batch_size = None
+        self.notes = {k: v for k, v in kwargs.items() if k != "kv_cache_bytes"} | {"draft": spec.draft}
+
+    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
+        from specfleet.sampling_params import SamplingParams
+
+        greedy = settings.temperature == 0
+        params = [SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                                 seed=None if greedy else settings.seed + i, max_tokens=settings.max_tokens,
+                                 ignore_eos=settings.ignore_eos) for i in range(len(prompts))]
+        return [_generation(o) for o in self.llm.generate(prompts, params)]
+
+    def close(self) -> None:
+        del self.llm
+
+
+def _generation(out) -> Generation:
+    m = out.metrics
+    steps = m.get("steps", 0)
+    depth = [round(rate * steps) for rate in m.get("acceptance_by_position", [])]
+    spec = {"steps": steps, "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
+            "draft_time_s": m.get("draft_time_s", 0.0), "verify_time_s": m.get("verify_time_s", 0.0),
+            "accepted_at_depth": depth}
+    return Generation(list(out.token_ids), m["latency_s"], m.get("ttft_s"), spec=spec)
