@@ -16,6 +16,7 @@ from specfleet.distill.pipeline import Distillation
 from specfleet.distill.student import causal_forward
 from specfleet.distill.train import read_checkpoint
 from specfleet.errors import SpecfleetError
+from specfleet.llm import LLM
 from specfleet.runtime.build import build_model
 from specfleet.runtime.loader import load_checkpoint
 from specfleet.runtime.model import DecoderLM
@@ -185,6 +186,8 @@ def test_distill_trains_resumes_and_saves_a_lossless_draft(target_dir, prompts_f
     spec = run_to_completion(engine, prompts, greedy)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.stats.num_accepted > 0
+    llm = LLM(str(target_dir), draft=str(out), dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in plain]
 
 
 def test_teacher_labels_on_prompts_and_kl(target_dir, prompts_file, tmp_path):

@@ -2,11 +2,14 @@
 
 With a 151,936-token vocabulary most of a small draft's parameters sit in the embeddings and the
 head, and they are the part a short CPU run can least afford to learn, so they come from a trained
-model of the same tokenizer ("target", or the 0.5B at d=896, which the 1.5B at d=1536 shares).
+model of the same tokenizer: the target (d=1536 for the 1.5B) or the 0.5B (d=896), and the draft
+takes that model's width unless told to project.
 - Same width as the source: embeddings, final norm and head are copied; the transformer layers are
-  copied from `layer_ids` of the source (spread over its depth by default: the first and last layers
-  matter most, the last because the head reads its output), MLPs optionally pruned to the
-  `intermediate_size` neurons with the largest weight norms.
+  copied from `layer_ids` of the source (spread over its depth by default, which keeps the last
+  layer, whose output space the head reads), MLPs optionally pruned to the `intermediate_size`
+  neurons with the largest weight norms. Measured on the 0.5B: no choice of 2 to 8 of its 24 layers
+  agrees with it on more than 3 % of greedy tokens before training, so copied layers are a starting
+  point for training, not a draft by themselves.
 - Narrower than the source: embeddings and head are projected onto the top principal directions
   of the source's embedding table (the final-norm gain folded into the head first); layers start
   random. `init_from="none"`: everything random (for tests and ablations).
