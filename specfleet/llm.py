@@ -17,6 +17,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.build import build_model, parse_device, parse_dtype
 from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.quant import parse_quantization, quantize_model
 from specfleet.sampling_params import SamplingParams
 from specfleet.spec.factory import SpecConfig, build_proposer
 
@@ -25,8 +26,10 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 _USE_DEFAULT = object()
 
 
-def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True):
-    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`.
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True,
+               quantization: str | None = None):
+    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`
+    (weight-only int8 with `quantization="int8"`, see runtime/quant.py).
 
     `NAME@N` keeps only the first N transformer layers (a cheap derived draft; the final norm and
     head are kept, so it still speaks the target's vocabulary).
@@ -50,6 +53,7 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with
         cfg = replace(cfg, num_layers=num_layers)
     model = build_model(cfg, ckpt.weights, dtype, device)
     del ckpt.weights
+    quantize_model(model, quantization)
     tokenizer = None
     if with_tokenizer:
         from transformers import AutoTokenizer
@@ -63,19 +67,27 @@ class LLM:
                  device: str = "cpu", num_speculative_tokens: int = 4, top_children: int = 1, max_nodes: int = 16,
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 _model: DecoderLM | None = None, _tokenizer=None):
+                 quantization: str | None = None, _model: DecoderLM | None = None, _tokenizer=None):
+        """`quantization="int8"`: weight-only int8 linear layers for the target and every draft model
+        (an opt-in for CPUs without fast bf16 matmuls; lossless against the quantized target)."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
+        self.quantization = parse_quantization(quantization)
         if draft is _USE_DEFAULT:
             draft = DEFAULT_DRAFT if model == DEFAULT_MODEL else None
         if _model is not None:  # tests and benchmarks hand in a model they built
             self.model, self.tokenizer = _model, _tokenizer
+            if self.quantization and getattr(_model, "quantization", None) != self.quantization:
+                import copy
+
+                self.model = quantize_model(copy.deepcopy(_model), self.quantization)  # the caller's stays as is
         else:
-            self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+            self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
         self.model_name = model
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
-        proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device)
+        proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
+                                  quantization=self.quantization)
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)

@@ -114,6 +114,10 @@ def test_parse_system():
     assert parse_system("specfleet:/m/x@12,pipeline=True").options == {"pipeline": True}
     assert parse_system("hf-assisted:qwen-0.5b,k=4").options == {"k": 4}
     assert parse_system("transformers").kind == "hf"
+    # commas inside a draft's [options] or a call's (arguments) belong to the draft, not the system
+    s = parse_system("specfleet:qwen-0.5b[width=2,nodes=12],quantization=int8")
+    assert (s.draft, s.options) == ("qwen-0.5b[width=2,nodes=12]", {"quantization": "int8"})
+    assert parse_system("specfleet:select[policy=x](a[k=2,width=2],b),k=3").options == {"k": 3}
     for bad in ("vllm", "hf:qwen", "hf-assisted", "hf-assisted:none"):
         with pytest.raises(SpecfleetError):
             parse_system(bad)

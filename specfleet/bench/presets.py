@@ -74,6 +74,28 @@ def _decode_checks(part: str, size: str) -> tuple[Check, ...]:
                   ("specfleet:none", 1), "decode_throughput_tok_s", 4.0))
 
 
+_Q8 = ",quantization=int8"
+_DRAFTS3 = "qwen-0.5b,qwen-0.5b@12,prompt-lookup"
+# issue 4: every strategy against the same autoregressive baseline, batch 1 (the ablation in the style
+# of Minions' Figure 10 is the chain single draft -> +vote -> +adaptive -> +tree/staged rows)
+_STRATEGIES = (
+    "specfleet:none",
+    # the heterogeneous draft set, one at a time (with the 0.5B depth sweep)
+    "specfleet:qwen-0.5b", "specfleet:qwen-0.5b@18", "specfleet:qwen-0.5b@12", "specfleet:qwen-0.5b@6",
+    "specfleet:prompt-lookup", "specfleet:ngram", "specfleet:qwen-0.5b+ngram",
+    # fixed speculation lengths against the adaptive controller (k=4 is the single-draft row)
+    "specfleet:qwen-0.5b,k=1", "specfleet:qwen-0.5b,k=2", "specfleet:qwen-0.5b,k=6", "specfleet:qwen-0.5b,k=8",
+    "specfleet:qwen-0.5b+adaptive[max_length=8]",
+    # chain against best-first tree
+    "specfleet:qwen-0.5b[width=2,nodes=12]",
+    # Minions voting, then the ablation steps on top of it
+    f"specfleet:vote({_DRAFTS3})", f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]",
+    "specfleet:vote(qwen-0.5b[width=2,nodes=12],qwen-0.5b@12,prompt-lookup)+adaptive[max_length=8]",
+    # SPIN selection against its baselines
+    f"specfleet:select({_DRAFTS3})", f"specfleet:select[policy=epsilon-greedy]({_DRAFTS3})",
+    f"specfleet:select[policy=prompt-length]({_DRAFTS3})",
+)
+
 _ALL = ("specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "hf", "hf-assisted:qwen-0.5b")
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -114,6 +136,30 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             Check("HumanEval: specfleet spec vs transformers assisted", "humaneval", ("specfleet:qwen-0.5b", 1),
                   ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.0)),
            expected_duration="about 15 minutes on 2 CPU cores"),
+    Preset("int8", "opt-in weight-only int8 (runtime/quant.py) on the CPU: the 1.5B with and without the 0.5B "
+           "draft in bf16 and int8, beside transformers bf16; 4 HumanEval prompts, 32 new tokens, batch 1",
+           (RunConfig(name="humaneval", num_prompts=4, max_tokens=32, batch_sizes=(1,),
+                      systems=("specfleet:none", "hf", "hf-assisted:qwen-0.5b", "specfleet:none" + _Q8,
+                               "specfleet:qwen-0.5b" + _Q8, "specfleet:qwen-0.5b,k=3" + _Q8,
+                               "specfleet:prompt-lookup" + _Q8)),),
+           (Check("int8 autoregressive vs bf16 autoregressive (a different model: same-size, int8 weights)",
+                  "humaneval", ("specfleet:none" + _Q8, 1), ("specfleet:none", 1), "throughput_tok_s", 1.0),
+            Check("int8: speculation (0.5B draft) vs int8 autoregressive", "humaneval",
+                  ("specfleet:qwen-0.5b" + _Q8, 1), ("specfleet:none" + _Q8, 1), "throughput_tok_s", 1.0),
+            Check("int8 speculation vs transformers assisted bf16 (reported, not a target)", "humaneval",
+                  ("specfleet:qwen-0.5b" + _Q8, 1), ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 0.0)),
+           expected_duration="about 10 minutes on 2 CPU cores"),
+    Preset("strategies", "issue 4: each single draft (0.5B depth sweep, prompt lookup, n-gram, staged), fixed "
+           "lengths 1-8 vs adaptive, chain vs tree, Minions vote and its ablation, SPIN selection vs "
+           "epsilon-greedy and prompt-length greedy; 1.5B target, greedy, batch 1, HumanEval then ShareGPT",
+           (RunConfig(name="humaneval", systems=_STRATEGIES, num_prompts=3, max_tokens=32, batch_sizes=(1,)),
+            RunConfig(name="sharegpt", dataset="sharegpt", shuffle_seed=0, max_prompt_tokens=160,
+                      systems=_STRATEGIES, num_prompts=3, max_tokens=32, batch_sizes=(1,))),
+           (Check("HumanEval: Minions vote+adaptive vs the best single draft (0.5B)", "humaneval",
+                  (f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]", 1), ("specfleet:qwen-0.5b", 1),
+                  "throughput_tok_s", 1.25),),
+           expected_duration="about 25 minutes per part on 2 CPU cores (--parts humaneval for one); "
+                             "add --systems ...,quantization=int8 variants to rerun on the int8 target"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
                       batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),

@@ -18,7 +18,8 @@ def weight_bytes_per_step(model: nn.Module) -> int:
     params = {id(p): p for p in model.parameters()}  # tied weights appear once
     total = sum(p.numel() * p.element_size() for p in params.values())
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    is_tied_by_hand = getattr(model, "lm_head", True) is None  # our DecoderLM reuses embed_tokens.weight
+    # our DecoderLM reuses embed_tokens.weight as its head, unless quantization gave it an int8 head_q
+    is_tied_by_hand = getattr(model, "lm_head", True) is None and getattr(model, "head_q", None) is None
     for m in model.modules():
         if isinstance(m, nn.Embedding) and id(m.weight) not in heads and not is_tied_by_hand:
             total -= m.weight.numel() * m.weight.element_size()

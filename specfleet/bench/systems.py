@@ -52,7 +52,7 @@ def parse_system(text: str) -> SystemSpec:
     if kind not in KINDS:
         raise SpecfleetError(f"unknown system {text!r}; write specfleet:DRAFT, hf, or hf-assisted:DRAFT "
                              f"(shorthands: {', '.join(SHORTHANDS)})")
-    parts = rest.split(",") if rest else []
+    parts = _split_top_level(rest) if rest else []
     options = {}
     while parts and _OPTION.match(parts[-1]):
         key, _, value = parts.pop().partition("=")
@@ -65,6 +65,21 @@ def parse_system(text: str) -> SystemSpec:
     if kind == "hf-assisted" and (draft is None or draft.lower() == "none"):
         raise SpecfleetError(f"system {text!r}: hf-assisted needs a draft, e.g. hf-assisted:qwen-0.5b")
     return SystemSpec(label, kind, draft, dict(reversed(options.items())))
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and parentheses: `a[x=1,y=2],k=3` -> [`a[x=1,y=2]`, `k=3`]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def _literal(value: str):

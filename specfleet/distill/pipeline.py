@@ -23,6 +23,7 @@ from specfleet.distill.teacher import TopKCache, teacher_topk
 from specfleet.distill.train import TrainConfig, Trainer, read_checkpoint
 from specfleet.errors import ModelLoadError, SpecfleetError
 from specfleet.runtime.build import parse_device, parse_dtype
+from specfleet.runtime.quant import quantize_model
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATASETS = ("humaneval", "chitchat")
@@ -59,6 +60,7 @@ class Distillation:
         if self._teacher_model is None:
             a = self.args
             self._teacher_model, _ = load_model(a.teacher or a.target, self.dtype, self.device)
+            quantize_model(self._teacher_model, getattr(a, "teacher_quantization", None))
             if self._teacher_model.config.vocab_size != self.target_cfg.vocab_size:
                 raise SpecfleetError(f"--teacher has {self._teacher_model.config.vocab_size} tokens, the target "
                                      f"{self.target_cfg.vocab_size}: the teacher must share the target's tokenizer")
@@ -104,7 +106,10 @@ class Distillation:
     def _teacher_file(self, stem: str, suffix: str) -> Path:
         """OUT/<stem>.<suffix> for the target's own outputs, OUT/<stem>-<teacher>.<suffix> otherwise."""
         a = self.args
-        return self.out / (f"{stem}-{Path(a.teacher).name}.{suffix}" if a.teacher else f"{stem}.{suffix}")
+        name = Path(a.teacher).name if a.teacher else ""
+        if getattr(a, "teacher_quantization", "none") not in (None, "none"):
+            name = f"{name or Path(a.target).name}-{a.teacher_quantization}"
+        return self.out / (f"{stem}-{name}.{suffix}" if name else f"{stem}.{suffix}")
 
     def continuations(self, tokenizer_dir: Path) -> list[Example]:
         a = self.args

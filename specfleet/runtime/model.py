@@ -106,6 +106,8 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.head_q = None  # an int8 head after runtime.quant.quantize_model
+        self.quantization: str | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -123,6 +125,8 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] fp32 logits; with `vocab_limit` only token ids below it (a draft's
         cheaper head: byte-level BPE ids are roughly in merge order, so low ids are the common tokens)."""
+        if self.head_q is not None:
+            return self.head_q.matmul(hidden, vocab_limit).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if vocab_limit is not None:
             weight = weight[:vocab_limit]

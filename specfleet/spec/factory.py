@@ -42,11 +42,11 @@ class SpecConfig:
 
 
 def build_proposer(draft: str | None, spec: SpecConfig, target_vocab_size: int, dtype: torch.dtype,
-                   device: torch.device) -> Proposer | None:
+                   device: torch.device, quantization: str | None = None) -> Proposer | None:
     if draft is None or draft.strip().lower() in ("", "none"):
         return None
     node = parse(draft)
-    return build(node, spec, ModelCache(dtype, device, leaf_names(node)), target_vocab_size, device)
+    return build(node, spec, ModelCache(dtype, device, leaf_names(node), quantization), target_vocab_size, device)
 
 
 def build(spec_text: str | Node, spec: SpecConfig, load_model: LoadModel, target_vocab_size: int | None = None,
@@ -71,8 +71,8 @@ class ModelCache:
     """Loads each model once: a base named with several depths (`m`, `m@12`) is loaded whole once and
     the cut drafts share its weights; a base named with one depth only is loaded at that depth."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, names: list[str]):
-        self.dtype, self.device = dtype, device
+    def __init__(self, dtype: torch.dtype, device: torch.device, names: list[str], quantization: str | None = None):
+        self.dtype, self.device, self.quantization = dtype, device, quantization
         self._variants: dict[str, set[str]] = {}
         for n in names:
             self._variants.setdefault(n.rpartition("@")[0] if "@" in n else n, set()).add(n)
@@ -89,7 +89,8 @@ class ModelCache:
             if depth and not depth.isdigit():
                 raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {depth!r}")
         if key not in self._models:
-            self._models[key] = load_model(key, self.dtype, self.device, with_tokenizer=False)[0]
+            self._models[key] = load_model(key, self.dtype, self.device, with_tokenizer=False,
+                                           quantization=self.quantization)[0]
         model = self._models[key]
         return layer_cut(model, int(depth)) if key != name else model
 

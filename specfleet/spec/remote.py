@@ -22,6 +22,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.model import DecoderLM, Rotary
 from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.quant import quantize_model
 from specfleet.sampling_params import SamplingParams
 from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.spec.proposer import Feedback
@@ -44,6 +45,7 @@ class RemoteDraftSpec:
     device: str = "cpu"
     target_vocab_size: int | None = None
     num_threads: int | None = 1  # torch intra-op threads in the worker process
+    quantization: str | None = None  # "int8": weight-only int8 in the worker (runtime/quant.py)
     # instead of loading by name: a model sent over as its config and state dict (tiny test models)
     model_config: ModelConfig | None = None
     state_dict: dict[str, torch.Tensor] | None = None
@@ -84,6 +86,7 @@ class DraftWorker:
             from specfleet.llm import load_model
 
             model, _ = load_model(spec.name, dtype, device, with_tokenizer=False)
+        quantize_model(model, spec.quantization)
         self.proposer = DraftModelProposer(model, spec.name, spec.config, spec.target_vocab_size, device)
         self._requests: dict[str, Request] = {}
 

@@ -1,0 +1,77 @@
+"""How the cost of the target's linear layers grows with the number of rows (tokens) in one forward.
+
+Speculative verification and batching are worth it only where k rows cost much less than k single
+rows. This measures, for the Qwen2.5-1.5B layer shapes, the time of one forward through all four
+linear layers of a decoder layer with 1..16 rows, in bf16, fp32 and the weight-only int8 kernel that
+`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row.
+
+    .venv/bin/python benchmarks/bench_kernels.py            # about a minute on 2 CPU cores
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specfleet.bench.report import md_table, write_results
+from specfleet.runtime.quant import Int8Linear
+
+# Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused)
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+
+
+def layer_fns(kind: str, dtype: torch.dtype):
+    fns = []
+    for out_f, in_f in SHAPES.values():
+        lin = torch.nn.Linear(in_f, out_f, bias=False).to(dtype)
+        if kind.startswith("int8"):
+            fns.append((Int8Linear.from_linear(lin), in_f, dtype))
+        else:
+            fns.append((lin, in_f, dtype))
+    return fns
+
+
+@torch.inference_mode()
+def time_layer(fns, rows: int, repeats: int) -> float:
+    xs = [torch.randn(rows, in_f, dtype=dt) for _, in_f, dt in fns]
+    for _ in range(2):
+        for (f, _, _), x in zip(fns, xs):
+            f(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for (f, _, _), x in zip(fns, xs):
+            f(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows_out, payload = [], {"args": vars(args), "shapes": SHAPES, "results": {}}
+    for kind, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("int8", torch.bfloat16),
+                        ("int8-fp32act", torch.float32)):
+        fns = layer_fns(kind, dtype)
+        times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
+        payload["results"][kind] = {str(r): t for r, t in times.items()}
+        for r, t in times.items():
+            rows_out.append({"weights": kind, "rows": r, "ms_per_layer": 1e3 * t, "vs_one_row": t / times[args.rows[0]],
+                             "ms_per_row": 1e3 * t / r, "x_28_layers_ms": 28e3 * t})
+            print(f"{kind:5} rows {r:3d}: {1e3 * t:8.2f} ms per layer ({t / times[args.rows[0]]:.2f}x one row)",
+                  flush=True)
+    body = ("One decoder layer's four linear layers (qkv, o, gate_up, down) at the Qwen2.5-1.5B shapes; "
+            "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
+            "(`aten._weight_int8pack_mm`).\n\n"
+            + md_table(rows_out, ["weights", "rows", "ms_per_layer", "vs_one_row", "ms_per_row", "x_28_layers_ms"]))
+    print(write_results("kernels", payload, body, device="cpu", dtype="bf16/fp32/int8"))
+
+
+if __name__ == "__main__":
+    main()
