@@ -90,6 +90,26 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
     assert all(f"({name})" in md for name in pngs)
 
 
+def test_bench_quantization_int8(tiny_pair, tmp_path):
+    """--quantization int8: specfleet systems run the int8 target (and draft), and speculation is
+    checked for equality against the int8 autoregressive baseline of the same run."""
+    target, draft = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nhow are you today?\n")
+    out = tmp_path / "out"
+    rc = bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--num-prompts", "2",
+                     "--batch-sizes", "1", "--max-tokens", "6", "--dtype", "float32", "--ignore-eos", "--no-plots",
+                     "--no-progress", "--out", str(out), "--quantization", "int8",
+                     "--systems", "ar", f"specfleet:{draft},k=3"])
+    assert rc == 0
+    part = json.loads((out / "results.json").read_text())["results"]["parts"][0]
+    assert part["config"]["quantization"] == "int8"
+    rows = {s["system"]: s for s in part["summaries"]}
+    assert rows[f"specfleet:{draft},k=3"]["baseline_match_rate"] == 1.0
+    assert rows[f"specfleet:{draft},k=3"]["drafted"] > 0
+    assert "int8 (weight-only)" in (out / "report.md").read_text()
+
+
 def test_hf_system_stops_at_eos_unless_ignored(tiny_pair):
     target, _ = tiny_pair
     model = load_hf_model(str(target), torch.float32, torch.device("cpu"))

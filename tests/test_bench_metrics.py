@@ -70,6 +70,12 @@ def test_summarize_without_spec_counters():
     assert s["decode_throughput_tok_s"] == (9 - 3) / 1.5
     plain = metrics.spec_summary([rec(steps=9, drafted=0, accepted=0, verify_time_s=1.0)])
     assert plain["mean_accepted_length"] == 1.0 and plain["acceptance_rate"] is None
+    assert plain["strategy_overhead_s"] is None and plain["strategy_overhead_share"] is None
+    voted = metrics.spec_summary([rec(steps=4, drafted=8, accepted=4, draft_time_s=1.0, verify_time_s=3.0,
+                                      strategy_overhead_s=0.02),
+                                  rec(steps=4, drafted=8, accepted=4, draft_time_s=1.0, verify_time_s=3.0,
+                                      strategy_overhead_s=0.02)])
+    assert voted["strategy_overhead_s"] == pytest.approx(0.04) and voted["strategy_overhead_share"] == pytest.approx(0.005)
 
 
 def test_speedups_and_roofline():

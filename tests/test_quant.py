@@ -101,3 +101,22 @@ def test_llm_quantization_option(qtarget):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
     with pytest.raises(InvalidRequestError, match="unknown quantization"):
         LLM("tiny", None, dtype="float32", quantization="int4", _model=base)
+
+
+def test_bf16_cpu_upcast_path_computes_the_same_layer(monkeypatch):
+    """Large bf16 CPU batches run the linear layers in fp32 (runtime/model.py): same weights, fp32
+    accumulation; below the threshold the plain bf16 path runs. Both agree to bf16 rounding, and a
+    bf16 model's greedy output is unchanged on a tiny model."""
+    import specfleet.runtime.model as model_mod
+
+    torch.manual_seed(0)
+    lin = model_mod.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(20, 64, dtype=torch.bfloat16)
+    exact = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    monkeypatch.setattr(model_mod, "UPCAST_ROWS", 16)
+    up = lin(x)
+    assert torch.equal(up, exact.to(torch.bfloat16))  # the fp32 path, rounded once
+    small = lin(x[:4])  # under the threshold: torch's bf16 kernel
+    assert torch.allclose(small.float(), exact[:4], atol=0.1, rtol=0.02)
+    monkeypatch.setattr(model_mod, "UPCAST_ROWS", 0)
+    assert torch.allclose(lin(x).float(), exact, atol=0.1, rtol=0.02)

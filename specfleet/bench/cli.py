@@ -58,6 +58,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16")
     p.add_argument("--device", help="cpu | cuda | auto")
     p.add_argument("--spec-len", type=int, help="draft tokens per step for systems without k=")
+    p.add_argument("--quantization", choices=["none", "int8"],
+                   help="int8: weight-only int8 target and drafts for every specfleet system (transformers "
+                        "systems stay in --dtype)")
     p.add_argument("--kv-cache-mb", type=int, help="specfleet KV cache budget per system, MiB")
     p.add_argument("--baseline", help="system that speed-ups are measured against (default: specfleet:none)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>-<device>-<stamp>)")
@@ -78,7 +81,7 @@ def _presets_help(presets) -> str:
 
 _OVERRIDES = ("model", "dataset", "num_prompts", "shuffle_seed", "max_prompt_tokens", "chat", "batch_sizes",
               "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "dtype", "device", "spec_len",
-              "kv_cache_mb", "baseline")
+              "kv_cache_mb", "baseline", "quantization")
 
 
 def build_preset(args):
@@ -91,7 +94,12 @@ def build_preset(args):
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     if args.systems:
         overrides["systems"] = tuple(args.systems)
-    return preset.with_overrides(**overrides)
+    preset = preset.with_overrides(**overrides)
+    if args.quantization == "none":  # with_overrides sets only given fields; "none" clears a preset's choice
+        from dataclasses import replace
+
+        preset = replace(preset, runs=tuple(replace(r, quantization=None) for r in preset.runs))
+    return preset
 
 
 def run_bench(args) -> int:

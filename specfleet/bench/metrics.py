@@ -41,6 +41,7 @@ class RequestRecord:
     verify_time_s: float | None = None
     accepted_at_depth: list[int] | None = None  # [k] = steps whose accepted path reached depth k+1
     matches_baseline: bool | None = None  # output ids equal the baseline system's for this prompt
+    strategy_overhead_s: float | None = None  # voting, weight updates, fitting, matching (its wave's share)
 
     @property
     def tok_s(self) -> float:
@@ -116,6 +117,7 @@ def summarize(requests: list[RequestRecord], waves: list[WaveRecord]) -> dict:
 def spec_summary(requests: list[RequestRecord]) -> dict:
     steps, drafted, accepted = (_sum_known(requests, f) for f in ("steps", "drafted", "accepted"))
     draft_t, verify_t = _sum_known(requests, "draft_time_s"), _sum_known(requests, "verify_time_s")
+    overhead = _sum_known(requests, "strategy_overhead_s")
     emitted = sum(r.output_tokens for r in requests if r.steps is not None)
     spent = (draft_t or 0.0) + (verify_t or 0.0)
     depth: list[int] = []
@@ -134,6 +136,9 @@ def spec_summary(requests: list[RequestRecord]) -> dict:
         "verify_time_s": verify_t,
         "draft_time_share": draft_t / spent if draft_t is not None and spent > 0 else None,
         "goodput_tok_s": emitted / spent if steps is not None and spent > 0 else None,
+        # the strategies' own decisions against the time the steps took (drafting + verification)
+        "strategy_overhead_s": overhead,
+        "strategy_overhead_share": overhead / spent if overhead is not None and spent > 0 else None,
     }
 
 

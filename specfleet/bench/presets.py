@@ -34,6 +34,7 @@ class RunConfig:
     device: str = "cpu"
     spec_len: int = 4
     kv_cache_mb: int | None = None
+    quantization: str | None = None  # "int8": every specfleet system's target and drafts (runtime/quant.py)
     baseline: str | None = None  # speed-ups are against this system; default: the first specfleet:none
 
 

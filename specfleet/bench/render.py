@@ -61,7 +61,9 @@ def _part(part: dict, plots: list[Path]) -> list[str]:
     lengths = [p["prompt_tokens"] for p in part["prompts"]]
     subset = "first" if cfg["shuffle_seed"] is None else f"seed-{cfg['shuffle_seed']} shuffled"
     lines = [f"## {part['name']}", "",
-             f"- target: {cfg['model']}, {cfg['dtype']} on {cfg['device']}; baseline: {part['baseline'] or '-'}",
+             f"- target: {cfg['model']}, {cfg['dtype']} on {cfg['device']}"
+             + (f", specfleet weights {cfg['quantization']} (weight-only)" if cfg.get("quantization") else "")
+             + f"; baseline: {part['baseline'] or '-'}",
              f"- prompts: {subset} {len(lengths)} of {cfg['dataset']} "
              f"({'chat template' if part['chat_template'] else 'raw text'}), prompt tokens "
              f"{min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f})",
@@ -82,6 +84,6 @@ def _part(part: dict, plots: list[Path]) -> list[str]:
     if split:
         lines += ["Time split (seconds summed over requests):", "",
                   md_table(split, ["system", "batch_size", "draft_time_s", "verify_time_s", "steps", "drafted",
-                                   "accepted"]), ""]
+                                   "accepted", "strategy_overhead_s", "strategy_overhead_share"]), ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return lines + [""]

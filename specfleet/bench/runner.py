@@ -55,7 +55,7 @@ def _keys(specs: list[SystemSpec], cfg: RunConfig) -> set[tuple]:
 
 
 def _ours_key(cfg: RunConfig) -> tuple:
-    return ("ours", cfg.model, cfg.dtype, cfg.device)
+    return ("ours", cfg.model, cfg.dtype, cfg.device, cfg.quantization)
 
 
 def _is_hf_model_draft(spec: SystemSpec) -> bool:
@@ -123,7 +123,8 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
 
     pool = ModelPool()
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
-    target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device))
+    target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device,
+                                                                    quantization=cfg.quantization))
     prompts, prompt_ids, is_chat = _prompts(cfg, tokenizer, target.config.max_position_embeddings)
     if device.type not in bandwidths:
         bandwidths[device.type] = measure_bandwidth(device)
@@ -243,7 +244,10 @@ def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ..
 
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
     if spec.kind == "specfleet":
-        target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device))
+        target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device,
+                                                                        quantization=cfg.quantization))
+        if cfg.quantization and "quantization" not in spec.options:
+            spec = replace(spec, options={**spec.options, "quantization": cfg.quantization})
         return SpecfleetSystem(spec, cfg.model, target, tokenizer, dtype=cfg.dtype, device=cfg.device,
                                spec_len=cfg.spec_len, max_batch_size=max(cfg.batch_sizes),
                                kv_cache_mb=cfg.kv_cache_mb)
@@ -259,7 +263,8 @@ def _record(label: str, batch_size: int, prompt_id: str, prompt_tokens: int, g) 
     s = g.spec
     return metrics.RequestRecord(label, batch_size, prompt_id, prompt_tokens, len(g.output_ids), g.latency_s,
                                  g.ttft_s, s.get("steps"), s.get("drafted"), s.get("accepted"),
-                                 s.get("draft_time_s"), s.get("verify_time_s"), s.get("accepted_at_depth"))
+                                 s.get("draft_time_s"), s.get("verify_time_s"), s.get("accepted_at_depth"),
+                                 strategy_overhead_s=s.get("strategy_overhead_s"))
 
 
 def evaluate_checks(preset: Preset, parts: list[dict]) -> list[dict]:

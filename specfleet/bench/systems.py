@@ -147,7 +147,19 @@ class SpecfleetSystem:
         params = [SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                                  seed=None if greedy else settings.seed + i, max_tokens=settings.max_tokens,
                                  ignore_eos=settings.ignore_eos) for i in range(len(prompts))]
-        return [_generation(o) for o in self.llm.generate(prompts, params)]
+        before = self._overhead()
+        gens = [_generation(o) for o in self.llm.generate(prompts, params)]
+        spent = self._overhead() - before
+        if self.llm.engine.proposer is not None:
+            for g in gens:  # the decisions serve the whole wave: an equal share per request
+                g.spec["strategy_overhead_s"] = spent / len(gens)
+        return gens
+
+    def _overhead(self) -> float:
+        from specfleet.spec.compose import total_overhead
+
+        proposer = self.llm.engine.proposer
+        return 0.0 if proposer is None else total_overhead(proposer)
 
     def close(self) -> None:
         del self.llm

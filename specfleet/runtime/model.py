@@ -17,6 +17,39 @@ from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
 
 
+def _default_upcast_rows() -> int:
+    """Rows from which a bf16 linear layer on the CPU computes in fp32 (0 = never).
+
+    Without native bf16 matrix instructions (AVX512-BF16 or AMX) torch's bf16 matmul is emulated and
+    compute-bound from a few rows on: 16 rows cost 13.5x one row at the 1.5B's shapes on an AVX2 CPU,
+    fp32 3.4x (benchmarks/results/kernels-cpu-*.md). Converting the weight to fp32 for the call costs one
+    pass over it, which pays from about a dozen rows: prefill chunks, large batches, big draft trees.
+    `SPECFLEET_CPU_UPCAST_ROWS` overrides the threshold.
+    """
+    import os
+
+    env = os.environ.get("SPECFLEET_CPU_UPCAST_ROWS")
+    if env is not None:
+        return max(0, int(env))
+    cpu = getattr(torch, "cpu", None)
+    native = any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return 0 if native else 16
+
+
+UPCAST_ROWS = _default_upcast_rows()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose large bf16 CPU batches run in fp32 (see _default_upcast_rows); same weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (UPCAST_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.numel() >= UPCAST_ROWS * x.shape[-1]):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -55,8 +88,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -80,8 +113,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
