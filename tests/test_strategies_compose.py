@@ -111,7 +111,7 @@ def test_compositions_that_cannot_work_are_refused(drafts):
 def test_each_model_loads_once_and_layer_cuts_share_weights(monkeypatch, drafts):
     calls = []
 
-    def fake_load(name, dtype, device, with_tokenizer=True):
+    def fake_load(name, dtype, device, with_tokenizer=True, quantization=None):
         calls.append(name)
         return drafts[name.split("@")[0]], None
 
