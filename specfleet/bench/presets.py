@@ -160,7 +160,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                   (f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]", 1), ("specfleet:qwen-0.5b", 1),
                   "throughput_tok_s", 1.25),),
            expected_duration="about 25 minutes per part on 2 CPU cores (--parts humaneval for one); "
-                             "add --systems ...,quantization=int8 variants to rerun on the int8 target"),
+                             "add --quantization int8 to run every specfleet system on the int8 target"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
                       batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),
