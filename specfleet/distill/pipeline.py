@@ -60,7 +60,7 @@ class Distillation:
         if self._teacher_model is None:
             a = self.args
             self._teacher_model, _ = load_model(a.teacher or a.target, self.dtype, self.device)
-            quantize_model(self._teacher_model, getattr(a, "teacher_quantization", None))
+            quantize_model(self._teacher_model, a.teacher_quantization)
             if self._teacher_model.config.vocab_size != self.target_cfg.vocab_size:
                 raise SpecfleetError(f"--teacher has {self._teacher_model.config.vocab_size} tokens, the target "
                                      f"{self.target_cfg.vocab_size}: the teacher must share the target's tokenizer")
@@ -107,7 +107,7 @@ class Distillation:
         """OUT/<stem>.<suffix> for the target's own outputs, OUT/<stem>-<teacher>.<suffix> otherwise."""
         a = self.args
         name = Path(a.teacher).name if a.teacher else ""
-        if getattr(a, "teacher_quantization", "none") not in (None, "none"):
+        if a.teacher_quantization != "none":
             name = f"{name or Path(a.target).name}-{a.teacher_quantization}"
         return self.out / (f"{stem}-{name}.{suffix}" if name else f"{stem}.{suffix}")
 

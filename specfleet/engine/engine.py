@@ -5,6 +5,7 @@ verified against an empty tree, which samples one token from the target. There i
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -106,6 +107,16 @@ class Engine:
                 self.proposer.release(req.request_id)
         if sched.is_empty:
             return []
+        outputs, feedback = self._execute(sched)
+        if self.proposer is not None:
+            if feedback:
+                self.proposer.observe(feedback)
+            self._propose()
+        return outputs
+
+    def _execute(self, sched) -> tuple[list[RequestOutput], list[Feedback]]:
+        """Forward, verify and commit one schedule (the middle of a step, shared with the pipelined
+        engine): the outputs, and feedback for every verified draft with its share of the forward."""
         items = [self._forward_item(s) for s in sched.scheduled]
         t0 = time.perf_counter()
         logits = self.runner.execute(items, self.blocks)  # [rows, vocab]
@@ -129,13 +140,7 @@ class Engine:
         for s in emitting:
             s.request.stats.verify_time += share
         self.stats.verify_time += verify_time
-        if self.proposer is not None:
-            if feedback:
-                feedback = [Feedback(f.request_id, f.tree, f.accepted_nodes, f.num_emitted, share,
-                                     f.committed_token_ids) for f in feedback]
-                self.proposer.observe(feedback)
-            self._propose()
-        return outputs
+        return outputs, [dataclasses.replace(f, verify_time=share) for f in feedback]
 
     def _forward_item(self, s: ScheduledRequest) -> ForwardItem:
         req = s.request

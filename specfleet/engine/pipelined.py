@@ -24,7 +24,6 @@ where drafts and target have their own compute: GPU streams, or drafts in other 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections import Counter, defaultdict
@@ -32,7 +31,7 @@ from collections import Counter, defaultdict
 import torch
 
 from specfleet.config import EngineConfig
-from specfleet.engine.engine import EMPTY_TREE, Engine
+from specfleet.engine.engine import Engine
 from specfleet.engine.request import Request, RequestStatus
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.errors import InvalidRequestError
@@ -174,31 +173,10 @@ class PipelinedEngine(Engine):
         return out
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Forward, verify, commit: the middle of Engine.step, unchanged (no propose phase)."""
-        items = [self._forward_item(s) for s in sched.scheduled]
-        t0 = time.perf_counter()
-        logits = self.runner.execute(items, self.blocks)  # [rows, vocab]
-        outputs, feedback, row = [], [], 0
-        emitting = [s for s in sched.scheduled if s.completes_sequence]
-        for s in sched.scheduled:
-            if not s.completes_sequence:  # a prompt chunk that stops short of the end
-                s.request.num_computed_tokens += s.num_new_tokens
-                continue
-            tree = s.request.draft if s.with_draft else EMPTY_TREE
-            s.request.draft = None
-            rows = logits[row:row + len(tree) + 1]
-            row += len(tree) + 1
-            fb = self._commit(s, tree, self._verify(s.request, tree, rows))
-            if fb is not None and s.with_draft:
-                feedback.append(fb)
-            outputs.append(self._output(s.request))
-        verify_time = time.perf_counter() - t0
-        share = verify_time / max(1, len(emitting))
-        for s in emitting:
-            s.request.stats.verify_time += share
-        self.stats.verify_time += verify_time
+        """Forward, verify, commit (Engine._execute), then feedback; no propose phase: drafters propose."""
+        outputs, feedback = self._execute(sched)
         if feedback:
-            self.proposer.observe([dataclasses.replace(f, verify_time=share) for f in feedback])
+            self.proposer.observe(feedback)
         self.proposer.end_step()
         return outputs
 
