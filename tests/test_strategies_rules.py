@@ -157,6 +157,24 @@ def test_a_rising_cost_moves_the_length_back_and_a_falling_one_continues():
     assert m.history == [(3, 3), (6, 2), (9, 3)]
 
 
+def test_the_fit_weights_steps_by_their_tokens():
+    """At 5 the window's time per token is (5 + 3 + 5) / 11 = 1.18 against 1.2 at 4: cheaper, though one
+    step kept a single token (y = 3). Weighted by tokens the fit falls and the controller continues up;
+    Minions' unweighted fit sees the outlier as a rise and moves back."""
+    lengths = {}
+    for weights in ("tokens", "none"):
+        m = LengthMonitor(LengthConfig(decision_threshold=3, fit_weights=weights), initial=4)
+        for _ in range(3):
+            m.record(1.2, 5)
+        assert m.length == 5  # a flat first window probes upwards
+        for y, n in ((1.0, 5), (3.0, 1), (1.0, 5)):
+            m.record(y, n)
+        lengths[weights] = m.length
+    assert lengths == {"tokens": 6, "none": 4}
+    with pytest.raises(InvalidRequestError, match="fit_weights"):
+        LengthMonitor(LengthConfig(fit_weights="steps"), initial=4)
+
+
 def test_decisions_wait_for_the_threshold():
     m = LengthMonitor(LengthConfig(decision_threshold=5), initial=4)
     for y in (1, 2, 3, 4):

@@ -24,7 +24,13 @@ a `propose` call and divided by the tokens they gained (y = time per token per r
 steady batch size is proportional to 1 / throughput). That also makes s = 0 measurable, where there
 is no draft to be given feedback about.
 
-Worked example (decision_threshold 3, s = 4 after an increase from 3): y at s=3 was [10, 10, 10] ms,
+The fit weights each observation by the tokens it verified (`fit_weights="tokens"`, the default):
+at batch 1 the per-step y swings by the number of drafted tokens that happened to be accepted, and
+weighted least squares turns the window's comparison into one of time over tokens (ratio of sums)
+rather than a mean of ratios that a single 1-token step drags up. `fit_weights="none"` is Minions'
+plain fit.
+
+Worked example (decision_threshold 3, unit weights, s = 4 after an increase from 3): y at s=3 was [10, 10, 10] ms,
 at s=4 [12, 12, 12]: the fit rises, so s goes back to 3 and the next move's direction is "down"; if
 y at s=3 is then [9, 9, 9] the fit over [12 x3, 9 x3] falls, so the controller continues down to 2.
 """
@@ -49,6 +55,11 @@ class LengthConfig:
     # a fitted rise of y across the window below this fraction of mean(y) is not taken as overshooting
     # (0 = any rise is, as in Minions); measurement noise is the reason to raise it
     flat_tolerance: float = 0.0
+    # "tokens": each observation's y is weighted by the tokens it verified in the fit (weighted least
+    # squares), so the line follows time per token over the window rather than the mean of per-step
+    # ratios, whose spread at batch 1 comes mostly from how many drafted tokens happened to be accepted
+    # (a step that keeps 1 token has 5x the y of one that keeps 5); "none": every step counts alike
+    fit_weights: str = "tokens"
 
     def validate(self) -> None:
         if not 0 <= self.min_length <= self.max_length:
@@ -59,6 +70,8 @@ class LengthConfig:
                                       f"length), got {self.initial_length}")
         if self.decision_threshold < 2:
             raise InvalidRequestError("adaptive length: decision_threshold must be >= 2 (a line needs two points)")
+        if self.fit_weights not in ("tokens", "none"):
+            raise InvalidRequestError(f"adaptive length: fit_weights must be 'tokens' or 'none', got {self.fit_weights!r}")
         if self.reward_step < 1 or self.punish_step < 1 or self.flat_tolerance < 0:
             raise InvalidRequestError("adaptive length: reward_step and punish_step must be >= 1, "
                                       "flat_tolerance >= 0")
@@ -92,13 +105,17 @@ def prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
                      [tree.origins[j] for j in keep], probs)
 
 
-def fitted_slope(ys: list[float]) -> float:
-    """Least-squares slope of ys against 0, 1, 2, ..."""
+def fitted_slope(ys: list[float], ws: list[float] | None = None) -> float:
+    """(Weighted) least-squares slope of ys against 0, 1, 2, ..."""
     n = len(ys)
-    mx = (n - 1) / 2
-    my = sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in range(n))
-    return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sxx if sxx else 0.0
+    ws = [1.0] * n if ws is None else ws
+    total = sum(ws)
+    if n < 2 or total <= 0:
+        return 0.0
+    mx = sum(w * x for x, w in enumerate(ws)) / total
+    my = sum(w * y for y, w in zip(ys, ws)) / total
+    sxx = sum(w * (x - mx) ** 2 for x, w in enumerate(ws))
+    return sum(w * (x - mx) * (y - my) for x, (y, w) in enumerate(zip(ys, ws))) / sxx if sxx else 0.0
 
 
 class LengthMonitor:
@@ -109,21 +126,23 @@ class LengthMonitor:
         self.config = config
         self.length = min(max(initial, config.min_length), config.max_length)
         self.direction = +1  # the last move; the start counts as an increase, as in Minions
-        self.previous: list[float] = []  # y at the length before the last decision
-        self.current: list[float] = []  # y since the last decision
+        self.previous: list[tuple[float, float]] = []  # (y, weight) at the length before the last decision
+        self.current: list[tuple[float, float]] = []  # (y, weight) since the last decision
         self.history: list[tuple[int, int]] = []  # (observation count, new length) per decision
         self.num_observations = 0
 
-    def record(self, y: float) -> bool:
-        """One step's time per verified token; True when this triggered a change of length."""
-        self.current.append(y)
+    def record(self, y: float, tokens: float = 1.0) -> bool:
+        """One step's time per verified token (`tokens` verified); True when this changed the length."""
+        self.current.append((y, tokens if self.config.fit_weights == "tokens" else 1.0))
         self.num_observations += 1
         if len(self.current) < self.config.decision_threshold:
             return False
         window = self.previous[-self.config.decision_threshold:] + self.current
-        rise = fitted_slope(window) * (len(window) - 1)  # the fitted change of y across the window
+        ys, ws = [y for y, _ in window], [w for _, w in window]
+        rise = fitted_slope(ys, ws) * (len(window) - 1)  # the fitted change of y across the window
+        mean_y = sum(y * w for y, w in window) / sum(ws)
         old = self.length
-        if rise > self.config.flat_tolerance * sum(window) / len(window):  # overshot: move back
+        if rise > self.config.flat_tolerance * mean_y:  # overshot: move back
             self.direction = -self.direction
             step = self.config.punish_step
         else:  # falling (or flat: keep probing in the same direction)
@@ -171,7 +190,7 @@ class LengthController:
                 elapsed += now - last[0]
                 gained += r.num_tokens - last[1]
             self._seen[r.request_id] = (now, r.num_tokens)
-        if gained > 0 and self.monitor.record(elapsed / gained) and self.monitor.length > 0:
+        if gained > 0 and self.monitor.record(elapsed / gained, gained) and self.monitor.length > 0:
             set_speculation_length(self.inner, self.monitor.length)
         self.overhead_s["fit"] += time.perf_counter() - t0
 
