@@ -3,7 +3,9 @@
 Speculative verification and batching are worth it only where k rows cost much less than k single
 rows. This measures, for the Qwen2.5-1.5B layer shapes, the time of one forward through all four
 linear layers of a decoder layer with 1..16 rows, in bf16, fp32 and the weight-only int8 kernel that
-`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row.
+`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row. bf16 and fp32 run twice:
+through torch's `F.linear` ("torch") and through the project's CPU routes ("specfleet",
+runtime/cpu_linear.py: fp32 as W @ x^T, bf16 from `UPCAST_ROWS` rows as a sliced fp32 upcast).
 
     .venv/bin/python benchmarks/bench_kernels.py            # about a minute on 2 CPU cores
 """
@@ -15,6 +17,7 @@ import time
 import torch
 
 from specfleet.bench.report import md_table, write_results
+from specfleet.runtime import model as model_mod
 from specfleet.runtime.quant import Int8Linear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused)
@@ -24,7 +27,8 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
 def layer_fns(kind: str, dtype: torch.dtype):
     fns = []
     for out_f, in_f in SHAPES.values():
-        lin = torch.nn.Linear(in_f, out_f, bias=False).to(dtype)
+        cls = model_mod.Linear if kind.endswith("specfleet") else torch.nn.Linear
+        lin = cls(in_f, out_f, bias=False).to(dtype)
         if kind.startswith("int8"):
             fns.append((Int8Linear.from_linear(lin), in_f, dtype))
         else:
@@ -56,19 +60,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_out, payload = [], {"args": vars(args), "shapes": SHAPES, "results": {}}
-    for kind, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("int8", torch.bfloat16),
-                        ("int8-fp32act", torch.float32)):
+    kinds = (("bf16 torch", torch.bfloat16), ("bf16 specfleet", torch.bfloat16), ("fp32 torch", torch.float32),
+             ("fp32 specfleet", torch.float32), ("int8", torch.bfloat16), ("int8-fp32act", torch.float32))
+    payload["upcast_rows"], payload["weight_left"] = model_mod.UPCAST_ROWS, model_mod.WEIGHT_LEFT
+    for kind, dtype in kinds:
         fns = layer_fns(kind, dtype)
         times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
         payload["results"][kind] = {str(r): t for r, t in times.items()}
         for r, t in times.items():
             rows_out.append({"weights": kind, "rows": r, "ms_per_layer": 1e3 * t, "vs_one_row": t / times[args.rows[0]],
                              "ms_per_row": 1e3 * t / r, "x_28_layers_ms": 28e3 * t})
-            print(f"{kind:5} rows {r:3d}: {1e3 * t:8.2f} ms per layer ({t / times[args.rows[0]]:.2f}x one row)",
+            print(f"{kind:14} rows {r:3d}: {1e3 * t:8.2f} ms per layer ({t / times[args.rows[0]]:.2f}x one row)",
                   flush=True)
     body = ("One decoder layer's four linear layers (qkv, o, gate_up, down) at the Qwen2.5-1.5B shapes; "
             "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
-            "(`aten._weight_int8pack_mm`).\n\n"
+            f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/cpu_linear.py (fp32: W @ x^T from "
+            f"2 rows; bf16: sliced fp32 upcast from {model_mod.UPCAST_ROWS} rows).\n\n"
             + md_table(rows_out, ["weights", "rows", "ms_per_layer", "vs_one_row", "ms_per_row", "x_28_layers_ms"]))
     print(write_results("kernels", payload, body, device="cpu", dtype="bf16/fp32/int8"))
 

@@ -143,3 +143,33 @@ def test_drafting_twice_without_a_commit_gives_the_same_draft(target, draft):
     assert first.token_ids == second.token_ids and len(first) == 4
     proposer.release("r")
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_chain_draft_keeps_its_accepted_kv(target, draft):
+    """A chain draft keeps the KV of the draft tokens it fed: with the target as its own draft every
+    token is accepted, so each catch-up after the first feeds exactly 2 tokens (the unfed last draft
+    token and the target's token) instead of k + 1 (the first one is the prompt and the prefill's token). With an imperfect draft the cache is cut back to
+    the common prefix (never more than 2 tokens to feed), and the output is still the target's."""
+    prompt = random_prompts([11], seed=3)
+    plain = run_to_completion(make_engine(target), prompt, GREEDY)
+    for model, perfect in ((target, True), (draft, False)):
+        proposer = DraftModelProposer(model, "draft", DraftModelConfig(4, kv_cache_bytes=64 << 10))
+        fed = []
+        execute = proposer.runner.execute
+
+        def spy(items, blocks, _execute=execute):
+            fed.extend(len(item.token_ids) for item in items)
+            return _execute(items, blocks)
+
+        proposer.runner.execute = spy
+        out = run_to_completion(make_engine(target, proposer), prompt, GREEDY)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+        catch_ups = fed[::4]  # each draft: one catch-up forward, then k - 1 single-token steps
+        assert fed[0] == 12 and set(fed) - set(catch_ups) <= {1}
+        if perfect:
+            assert catch_ups[1:] and set(catch_ups[1:]) == {2}
+        else:
+            # a rejection at position j leaves j accepted tokens already in the cache: 1 token to feed
+            # after a first-token rejection, 2 otherwise (before, it was the accepted count + 1)
+            assert set(catch_ups[1:]) == {1, 2}
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # released at the end

@@ -12,41 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfleet.errors import ModelLoadError
+from specfleet.runtime.cpu_linear import cpu_linear, default_upcast_rows, default_weight_left
 from specfleet.runtime.attention import AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
 
 
-def _default_upcast_rows() -> int:
-    """Rows from which a bf16 linear layer on the CPU computes in fp32 (0 = never).
-
-    Without native bf16 matrix instructions (AVX512-BF16 or AMX) torch's bf16 matmul is emulated and
-    compute-bound from a few rows on: 16 rows cost 13.5x one row at the 1.5B's shapes on an AVX2 CPU,
-    fp32 3.4x (benchmarks/results/kernels-cpu-*.md). Converting the weight to fp32 for the call costs one
-    pass over it, which pays from about a dozen rows: prefill chunks, large batches, big draft trees.
-    `SPECFLEET_CPU_UPCAST_ROWS` overrides the threshold.
-    """
-    import os
-
-    env = os.environ.get("SPECFLEET_CPU_UPCAST_ROWS")
-    if env is not None:
-        return max(0, int(env))
-    cpu = getattr(torch, "cpu", None)
-    native = any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return 0 if native else 16
-
-
-UPCAST_ROWS = _default_upcast_rows()
+UPCAST_ROWS = default_upcast_rows()  # read per call, so tests and benchmarks may change them
+WEIGHT_LEFT = default_weight_left()
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose large bf16 CPU batches run in fp32 (see _default_upcast_rows); same weights."""
+    """nn.Linear whose CPU products take the faster routes of runtime/cpu_linear.py; same weights."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (UPCAST_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and x.numel() >= UPCAST_ROWS * x.shape[-1]):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if x.device.type == "cpu":
+            return cpu_linear(x, self.weight, self.bias, UPCAST_ROWS, WEIGHT_LEFT)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -163,6 +144,8 @@ class DecoderLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if vocab_limit is not None:
             weight = weight[:vocab_limit]
+        if hidden.device.type == "cpu":
+            return cpu_linear(hidden, weight, None, UPCAST_ROWS, WEIGHT_LEFT).float()
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

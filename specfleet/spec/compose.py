@@ -263,7 +263,8 @@ def prepare_kv(p: Proposer, requests: list) -> None:
 
     items = []
     for r in requests:
-        rid, have, upto = r.request_id, p.blocks.num_tokens(r.request_id), r.num_tokens - 1
+        rid, upto = r.request_id, r.num_tokens - 1
+        have = p.sync(r) if hasattr(p, "sync") else p.blocks.num_tokens(rid)  # drop stale draft tokens
         if upto <= have or r.num_tokens + p.config.draft_slots >= p.model.config.max_position_embeddings:
             continue
         if not p.blocks.has(rid):
@@ -275,5 +276,7 @@ def prepare_kv(p: Proposer, requests: list) -> None:
         else:
             continue
         items.append(ForwardItem(rid, r.all_token_ids[have:upto], have, [upto - have - 1]))
+        if hasattr(p, "_cached"):
+            p._cached[rid] = list(r.all_token_ids[:upto])
     if items:
         p.runner.execute(items, p.blocks)

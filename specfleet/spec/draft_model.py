@@ -1,9 +1,13 @@
 """A small language model as a proposer, on the same runtime as the target.
 
 The draft has its own paged KV cache. Before drafting it catches up on the request's committed
-tokens it has not seen (the accepted path and the target's token from the last step; the whole
-prompt the first time) in one batched forward, then drafts. After drafting, its cache is truncated
-back to the committed tokens, so rollback never needs to know which draft tokens were accepted.
+tokens it has not seen (the target's token from the last step and any accepted draft token it never
+fed; the whole prompt the first time) in one batched forward, then drafts. A chain keeps the KV of
+the draft tokens it fed; the next draft first truncates its cache to the longest common prefix of the
+tokens it holds and the request's committed tokens (`sync`), so rollback needs no word from the
+verifier about what was accepted, and an accepted prefix is not recomputed: after a step that kept
+all k drafted tokens the catch-up is 2 tokens, not k + 1. Trees (whose nodes do not lie on one path)
+are truncated back to the committed tokens right after drafting.
 
 Two shapes:
 - chain (`top_children` = 1): k batched single-token steps. Greedy requests take the argmax; sampled
@@ -76,13 +80,11 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
                                   self.device, cc.head_vocab)
         self._generators: dict[str, torch.Generator] = {}
+        self._cached: dict[str, list[int]] = {}  # request id -> the token ids its draft cache holds
 
     # -- protocol --------------------------------------------------------------------------------
     def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
-        for r in requests:  # drafting twice without a commit in between: refeed the root for its logits
-            if self.blocks.has(r.request_id) and self._committed(r) >= r.num_tokens:
-                self.blocks.truncate(r.request_id, r.num_tokens - 1)
-        seen = {r.request_id: self._committed(r) for r in requests}  # tokens already in the draft cache
+        seen = {r.request_id: self.sync(r) for r in requests}  # valid tokens already in the draft cache
         ready = [r for r in requests if self._reserve_catch_up(r)]
         if not ready:
             return {}
@@ -92,20 +94,50 @@ class DraftModelProposer:
             toks = r.all_token_ids
             items.append(ForwardItem(r.request_id, toks[have:], have, [len(toks) - have - 1]))
         logits = self.runner.execute(items, self.blocks)  # [len(ready), vocab]
+        chain = self.config.top_children == 1
+        trees: dict[str, DraftTree] = {}
         try:
-            if self.config.top_children == 1:
-                return self._draft_chains(ready, logits)
-            return {r.request_id: self._draft_tree(r, logits[i]) for i, r in enumerate(ready)}
+            if chain:
+                trees = self._draft_chains(ready, logits)
+            else:
+                trees = {r.request_id: self._draft_tree(r, logits[i]) for i, r in enumerate(ready)}
+            return trees
         finally:
-            for r in ready:  # roll the draft cache back to the committed tokens
-                self.blocks.truncate(r.request_id, r.num_tokens)
+            for r in ready:  # keep a chain's fed draft tokens (all but the last); drop a tree's nodes
+                tree = trees.get(r.request_id)
+                fed = tree.token_ids[:-1] if (chain and tree is not None) else []
+                self.blocks.truncate(r.request_id, r.num_tokens + len(fed))
+                self._cached[r.request_id] = list(r.all_token_ids) + list(fed)
 
     def observe(self, feedback: list[Feedback]) -> None:
         pass  # the cache was rolled back to the committed prefix right after drafting
 
     def release(self, request_id: str) -> None:
         self.blocks.free(request_id)
+        self._cached.pop(request_id, None)
         self._generators.pop(request_id, None)
+
+    def free_kv(self, request_id: str) -> None:
+        """Drop the request's draft KV but keep its generator (a selector switched it away)."""
+        self.blocks.free(request_id)
+        self._cached.pop(request_id, None)
+
+    def sync(self, req) -> int:
+        """Truncate the request's draft cache to the longest common prefix of the tokens it holds and
+        the request's tokens, leaving at least the last token to feed (its logits root the next draft);
+        returns the number of valid cached tokens."""
+        rid = req.request_id
+        if not self.blocks.has(rid):
+            return 0
+        held = self._cached.get(rid, [])[:self.blocks.num_tokens(rid)]
+        toks = req.all_token_ids
+        n = min(len(held), len(toks) - 1)
+        same = 0
+        while same < n and held[same] == toks[same]:
+            same += 1
+        if same < self.blocks.num_tokens(rid):
+            self.blocks.truncate(rid, same)
+        return same
 
     # -- internals -------------------------------------------------------------------------------
     def _committed(self, req: Request) -> int:
