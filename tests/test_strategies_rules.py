@@ -175,6 +175,31 @@ def test_the_fit_weights_steps_by_their_tokens():
         LengthMonitor(LengthConfig(fit_weights="steps"), initial=4)
 
 
+def test_a_rise_within_the_tolerance_counts_as_flat():
+    """Neighbouring lengths that cost the same (+2 % noise) do not turn the controller around."""
+    for tol, expected in ((0.05, (6, +1)), (0.0, (4, -1))):
+        m = LengthMonitor(LengthConfig(decision_threshold=3, flat_tolerance=tol), initial=4)
+        for y in (10, 10, 10):  # flat first window: probe upwards
+            m.record(y)
+        assert m.length == 5
+        for y in (10.0, 10.1, 10.2):  # ~1 % up across the window: noise
+            m.record(y)
+        assert (m.length, m.direction) == expected
+
+
+def test_at_a_bound_the_controller_probes_inwards_every_few_decisions():
+    for probe_every, expected in ((3, [0, 0, 0, 0, 0, 1, 1, 2]), (0, [0] * 8)):
+        m = LengthMonitor(LengthConfig(decision_threshold=2, probe_every=probe_every), initial=1)
+        for y in (10, 12):  # rise: go down to 0
+            m.record(y)
+        assert (m.length, m.direction) == (0, -1)
+        visited = []
+        for _ in range(8):  # flat at 0: two blocked decisions, the third probes up to 1; flat there too
+            m.record(5.0)
+            visited.append(m.length)
+        assert visited == expected
+
+
 def test_decisions_wait_for_the_threshold():
     m = LengthMonitor(LengthConfig(decision_threshold=5), initial=4)
     for y in (1, 2, 3, 4):

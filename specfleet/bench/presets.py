@@ -79,6 +79,9 @@ _Q8 = ",quantization=int8"
 _DRAFTS3 = "qwen-0.5b,qwen-0.5b@12,prompt-lookup"
 # issue 4: every strategy against the same autoregressive baseline, batch 1 (the ablation in the style
 # of Minions' Figure 10 is the chain single draft -> +vote -> +adaptive -> +tree/staged rows)
+# the 0.5B voting with the weightless drafts only (no second model to run), with adaptive length
+_VOTE_FREE = "specfleet:vote(qwen-0.5b,prompt-lookup,ngram)+adaptive[max_length=8]"
+
 _STRATEGIES = (
     "specfleet:none",
     # the heterogeneous draft set, one at a time (with the 0.5B depth sweep)
@@ -91,7 +94,7 @@ _STRATEGIES = (
     "specfleet:qwen-0.5b[width=2,nodes=12]",
     # Minions voting, then the ablation steps on top of it
     f"specfleet:vote({_DRAFTS3})", f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]",
-    "specfleet:vote(qwen-0.5b[width=2,nodes=12],qwen-0.5b@12,prompt-lookup)+adaptive[max_length=8]",
+    "specfleet:vote(qwen-0.5b[width=2,nodes=12],qwen-0.5b@12,prompt-lookup)+adaptive[max_length=8]", _VOTE_FREE,
     # SPIN selection against its baselines
     f"specfleet:select({_DRAFTS3})", f"specfleet:select[policy=epsilon-greedy]({_DRAFTS3})",
     f"specfleet:select[policy=prompt-length]({_DRAFTS3})",
@@ -101,7 +104,7 @@ _STRATEGIES = (
 _STRATEGIES_SHORT = (
     "specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "specfleet:qwen-0.5b,k=1",
     "specfleet:qwen-0.5b+adaptive[max_length=8]", "specfleet:qwen-0.5b[width=2,nodes=12]",
-    f"specfleet:vote({_DRAFTS3})", f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]",
+    f"specfleet:vote({_DRAFTS3})", f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]", _VOTE_FREE,
     f"specfleet:select({_DRAFTS3})", f"specfleet:select[policy=epsilon-greedy]({_DRAFTS3})",
     f"specfleet:select[policy=prompt-length]({_DRAFTS3})",
 )
@@ -173,7 +176,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                   "throughput_tok_s", 0.0),
             Check("ShareGPT: Minions vote+adaptive vs the best single draft (0.5B)", "sharegpt",
                   (f"specfleet:vote({_DRAFTS3})+adaptive[max_length=8]", 1), ("specfleet:qwen-0.5b", 1),
-                  "throughput_tok_s", 1.25)),
+                  "throughput_tok_s", 1.25),
+            Check("HumanEval: vote with weightless drafts + adaptive vs the best single draft (0.5B)", "humaneval",
+                  (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25),
+            Check("ShareGPT: vote with weightless drafts + adaptive vs the best single draft (0.5B)", "sharegpt",
+                  (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25)),
            expected_duration="about 50 minutes for HumanEval and 25 for ShareGPT on 2 CPU cores (--parts "
                              "humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),

@@ -15,7 +15,10 @@ Minions applies the rule after increases (rising -> decrease, falling -> increas
 after decreases, as hill climbing, so the controller can walk down to 0 when speculation does not
 pay (large batches, a poor draft) and back up when it does again. At 0 the inner proposer is not
 called at all: plain decoding. When a move is blocked by a bound, the direction is still remembered,
-so a later rising trend (conditions changed) turns the controller back inwards.
+so a later rising trend (conditions changed) turns the controller back inwards, and after
+`probe_every` blocked decisions it steps inwards once to re-measure. A rise smaller than
+`flat_tolerance` of the window's mean counts as flat, so noise does not turn the controller around
+where neighbouring lengths cost the same.
 
 Adaptation to this engine: Minions pipelines drafting behind verification, so t_LLM alone is its
 cost. Here drafting may run on the critical path between verifications, so the cost is wall time
@@ -53,8 +56,14 @@ class LengthConfig:
     reward_step: int = 1  # Minions' s_reward: how far to continue after a change that paid off
     punish_step: int = 1  # Minions' s_punish: how far to move back after a change that overshot
     # a fitted rise of y across the window below this fraction of mean(y) is not taken as overshooting
-    # (0 = any rise is, as in Minions); measurement noise is the reason to raise it
-    flat_tolerance: float = 0.0
+    # (0 = any rise is, as in Minions). Where neighbouring lengths cost about the same per token (on a
+    # CPU, bf16 verification of s+1 tokens costs nearly s+1 steps, so s = 1..4 all lose about equally),
+    # an exact rule reverses on noise about half the time and random-walks instead of crossing the flat
+    # stretch; 5 % is above the window-to-window noise measured at batch 1
+    flat_tolerance: float = 0.05
+    # after this many decisions in a row that would move past a bound, step inwards once to re-measure
+    # (conditions change: a batch shrinks, the text turns predictable); 0 = stay at the bound
+    probe_every: int = 8
     # "tokens": each observation's y is weighted by the tokens it verified in the fit (weighted least
     # squares), so the line follows time per token over the window rather than the mean of per-step
     # ratios, whose spread at batch 1 comes mostly from how many drafted tokens happened to be accepted
@@ -72,9 +81,9 @@ class LengthConfig:
             raise InvalidRequestError("adaptive length: decision_threshold must be >= 2 (a line needs two points)")
         if self.fit_weights not in ("tokens", "none"):
             raise InvalidRequestError(f"adaptive length: fit_weights must be 'tokens' or 'none', got {self.fit_weights!r}")
-        if self.reward_step < 1 or self.punish_step < 1 or self.flat_tolerance < 0:
+        if self.reward_step < 1 or self.punish_step < 1 or self.flat_tolerance < 0 or self.probe_every < 0:
             raise InvalidRequestError("adaptive length: reward_step and punish_step must be >= 1, "
-                                      "flat_tolerance >= 0")
+                                      "flat_tolerance and probe_every >= 0")
 
 
 def set_speculation_length(proposer: Proposer, n: int) -> bool:
@@ -130,6 +139,7 @@ class LengthMonitor:
         self.current: list[tuple[float, float]] = []  # (y, weight) since the last decision
         self.history: list[tuple[int, int]] = []  # (observation count, new length) per decision
         self.num_observations = 0
+        self.blocked = 0  # decisions in a row that a bound stopped
 
     def record(self, y: float, tokens: float = 1.0) -> bool:
         """One step's time per verified token (`tokens` verified); True when this changed the length."""
@@ -148,6 +158,11 @@ class LengthMonitor:
         else:  # falling (or flat: keep probing in the same direction)
             step = self.config.reward_step
         self.length = min(max(old + self.direction * step, self.config.min_length), self.config.max_length)
+        self.blocked = self.blocked + 1 if self.length == old else 0
+        if self.config.probe_every and self.blocked >= self.config.probe_every:  # probe inwards once
+            self.direction = -self.direction
+            self.length = min(max(old + self.direction * step, self.config.min_length), self.config.max_length)
+            self.blocked = 0
         self.previous, self.current = self.current, []
         if self.length != old:
             self.history.append((self.num_observations, self.length))
