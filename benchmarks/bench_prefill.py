@@ -1,5 +1,5 @@
-"""Prefill (time to first token) of the bf16 target with and without the fp32 upcast of large CPU
-batches (runtime/model.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in one process.
+"""Prefill (time to first token) of the bf16 target with and without the sliced fp32 upcast of CPU
+batches (runtime/cpu_linear.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in one process.
 
     .venv/bin/python benchmarks/bench_prefill.py            # about a minute on 2 CPU cores
 """
