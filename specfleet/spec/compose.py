@@ -254,29 +254,7 @@ class TokenSnapshot:
 
 def prepare_kv(p: Proposer, requests: list) -> None:
     """Catch a proposer's draft caches up on the requests' committed tokens (all but the last one,
-    which is the next draft's root), so its first draft after a switch needs no long catch-up."""
+    which is the next draft's root), so its first draft after a switch needs no long catch-up.
+    Proposers with weights do it in their `prepare`; weightless ones have nothing to prepare."""
     if hasattr(p, "prepare"):
-        return p.prepare(requests)
-    if not (hasattr(p, "runner") and hasattr(p, "blocks") and hasattr(p, "model")):
-        return  # weightless: nothing to prepare
-    from specfleet.runtime.model_runner import ForwardItem
-
-    items = []
-    for r in requests:
-        rid, upto = r.request_id, r.num_tokens - 1
-        have = p.sync(r) if hasattr(p, "sync") else p.blocks.num_tokens(rid)  # drop stale draft tokens
-        if upto <= have or r.num_tokens + p.config.draft_slots >= p.model.config.max_position_embeddings:
-            continue
-        if not p.blocks.has(rid):
-            if not p.blocks.can_allocate(upto):
-                continue
-            p.blocks.allocate(rid, upto)
-        elif p.blocks.can_append(rid, upto - have):
-            p.blocks.append(rid, upto - have)
-        else:
-            continue
-        items.append(ForwardItem(rid, r.all_token_ids[have:upto], have, [upto - have - 1]))
-        if hasattr(p, "_cached"):
-            p._cached[rid] = list(r.all_token_ids[:upto])
-    if items:
-        p.runner.execute(items, p.blocks)
+        p.prepare(requests)

@@ -80,7 +80,9 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
                                   self.device, cc.head_vocab)
         self._generators: dict[str, torch.Generator] = {}
-        self._cached: dict[str, list[int]] = {}  # request id -> the token ids its draft cache holds
+        # request id -> (committed tokens its draft cache held when it last drafted or prepared, the draft
+        # tokens fed after them): the cache holds all_token_ids[:base] + fed (committed tokens never change)
+        self._cached: dict[str, tuple[int, list[int]]] = {}
 
     # -- protocol --------------------------------------------------------------------------------
     def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
@@ -107,7 +109,7 @@ class DraftModelProposer:
                 tree = trees.get(r.request_id)
                 fed = tree.token_ids[:-1] if (chain and tree is not None) else []
                 self.blocks.truncate(r.request_id, r.num_tokens + len(fed))
-                self._cached[r.request_id] = list(r.all_token_ids) + list(fed)
+                self._cached[r.request_id] = (r.num_tokens, list(fed))
 
     def observe(self, feedback: list[Feedback]) -> None:
         pass  # the cache was rolled back to the committed prefix right after drafting
@@ -125,19 +127,44 @@ class DraftModelProposer:
     def sync(self, req) -> int:
         """Truncate the request's draft cache to the longest common prefix of the tokens it holds and
         the request's tokens, leaving at least the last token to feed (its logits root the next draft);
-        returns the number of valid cached tokens."""
+        returns the number of valid cached tokens. Only the fed draft tokens need comparing."""
         rid = req.request_id
         if not self.blocks.has(rid):
             return 0
-        held = self._cached.get(rid, [])[:self.blocks.num_tokens(rid)]
+        held = self.blocks.num_tokens(rid)
+        base, fed = self._cached.get(rid, (held, []))
         toks = req.all_token_ids
-        n = min(len(held), len(toks) - 1)
-        same = 0
-        while same < n and held[same] == toks[same]:
+        same = min(base, held)
+        for tok in fed[:held - same]:
+            if same >= len(toks) or toks[same] != tok:
+                break
             same += 1
-        if same < self.blocks.num_tokens(rid):
+        same = min(same, len(toks) - 1)
+        if same < held:
             self.blocks.truncate(rid, same)
         return same
+
+    def prepare(self, requests: list) -> None:
+        """Catch the draft cache up on the requests' committed tokens (all but the last one, the next
+        draft's root) ahead of a switch to this draft, so its first draft needs no long catch-up."""
+        items = []
+        for r in requests:
+            rid, upto = r.request_id, r.num_tokens - 1
+            have = self.sync(r)  # drops stale draft tokens
+            if upto <= have or r.num_tokens + self.config.draft_slots >= self.model.config.max_position_embeddings:
+                continue
+            if not self.blocks.has(rid):
+                if not self.blocks.can_allocate(upto):
+                    continue
+                self.blocks.allocate(rid, upto)
+            elif self.blocks.can_append(rid, upto - have):
+                self.blocks.append(rid, upto - have)
+            else:
+                continue
+            items.append(ForwardItem(rid, r.all_token_ids[have:upto], have, [upto - have - 1]))
+            self._cached[rid] = (upto, [])
+        if items:
+            self.runner.execute(items, self.blocks)
 
     # -- internals -------------------------------------------------------------------------------
     def _committed(self, req: Request) -> int:
