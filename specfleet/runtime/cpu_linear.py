@@ -13,8 +13,14 @@ choices are poor for the shapes speculation produces (benchmarks/results/kernels
   tall left matrix and a thin right one: 2-4 rows cost about what one row does, 16 rows about twice.
 
 So on CPUs without native bf16 this module computes
+- bf16 weights with up to `native_rows` rows (32 by default): specfleet's own AVX2 kernel
+  (csrc/bf16_linear.c via runtime/native.py), which reads each weight once, widens it in registers and
+  multiplies it by every row, so 5 rows cost about what one row of torch's kernel does and one row
+  costs less (measured on the 1.5B's layer shapes: 1/2/5/8/16 rows 0.71/0.75/1.05/1.55/2.45x of
+  torch's one row, against torch's 0.93/1.79/4.19/6.71x and the sliced route's 2.95/4.24/3.48x at 5/8/16);
+  where it cannot be built (see runtime/native.py) the two routes below take over;
 - fp32 weights with 2 <= rows: W @ x^T (then transposed back), the same arithmetic;
-- bf16 weights with >= `upcast_rows` rows (4 by default), and int8 weights with >= `INT8_SLICED_ROWS`
+- bf16 weights with >= `upcast_rows` rows (4 by default) not taken by the native kernel, and int8 weights with >= `INT8_SLICED_ROWS`
   (runtime/quant.py; below that the packed int8 kernel is faster): in fp32, converting the weight in slices of about
   `SLICE_BYTES` (so each slice is still in cache when the product reads it) and multiplying each slice
   by x^T as above. Converting the whole weight first (the earlier scheme) costs two more passes over
@@ -30,6 +36,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from specfleet.runtime import native
 
 SLICE_BYTES = 4 << 20  # fp32 bytes of weight converted per slice (measured best of 0.5-8 MiB on a 2-core EPYC)
 
@@ -49,6 +57,17 @@ def default_upcast_rows() -> int:
     if env is not None:
         return max(0, int(env))
     return 0 if _native_bf16() else 4
+
+
+def default_native_rows() -> int:
+    """Rows up to which a bf16 CPU linear uses the native kernel (0 = never): 0 where the CPU has native
+    bf16 matmuls (oneDNN's kernels serve it), else 32 (from 32 rows on, prefill-sized products, BLAS on
+    sliced fp32 weights is as fast). `SPECFLEET_CPU_NATIVE_ROWS` overrides it; `SPECFLEET_NATIVE=0`
+    turns the kernel off altogether."""
+    env = os.environ.get("SPECFLEET_CPU_NATIVE_ROWS")
+    if env is not None:
+        return max(0, int(env))
+    return 0 if _native_bf16() else 32
 
 
 def default_weight_left() -> bool:
@@ -87,13 +106,17 @@ def sliced_upcast_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast_rows: int,
-               weight_left: bool) -> torch.Tensor:
+               weight_left: bool, native_rows: int = 0) -> torch.Tensor:
     """F.linear for CPU tensors, routed as the module docstring says (inference only: anything that
     records gradients, such as training a draft, takes F.linear)."""
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
+    if (0 < rows <= native_rows and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and weight.is_contiguous() and native.bf16_linear_available()):
+        out = native.bf16_linear(x.reshape(rows, k), weight, bias)
+        return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     if weight_left and weight.dtype == torch.float32 and x.dtype == torch.float32 and rows >= 2:
         return weight_left_linear(x.reshape(rows, k), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if upcast_rows and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and rows >= upcast_rows:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfleet.errors import ModelLoadError
-from specfleet.runtime.cpu_linear import cpu_linear, default_upcast_rows, default_weight_left
+from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
 from specfleet.runtime.attention import AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
@@ -20,6 +20,7 @@ from specfleet.runtime.model_config import ModelConfig
 
 UPCAST_ROWS = default_upcast_rows()  # read per call, so tests and benchmarks may change them
 WEIGHT_LEFT = default_weight_left()
+NATIVE_ROWS = default_native_rows()
 
 
 class Linear(nn.Linear):
@@ -27,7 +28,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            return cpu_linear(x, self.weight, self.bias, UPCAST_ROWS, WEIGHT_LEFT)
+            return cpu_linear(x, self.weight, self.bias, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -145,7 +146,7 @@ class DecoderLM(nn.Module):
         if vocab_limit is not None:
             weight = weight[:vocab_limit]
         if hidden.device.type == "cpu":
-            return cpu_linear(hidden, weight, None, UPCAST_ROWS, WEIGHT_LEFT).float()
+            return cpu_linear(hidden, weight, None, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS).float()
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,134 @@
+"""specfleet's native CPU kernel: the bf16-weight linear of csrc/bf16_linear.c, built on first use.
+
+The kernel is plain C (AVX2 + FMA intrinsics, OpenMP), compiled with the system C compiler into
+`<cache root>/native/` and loaded with ctypes: no torch headers, so a build takes about two seconds,
+and ctypes releases the GIL for the call, so drafter threads overlap it. OpenMP is linked by soname
+(`libgomp.so.1`), which resolves to the copy torch has already loaded, so both share one thread pool
+runtime. The library's name carries a hash of the source and the build command, so an edited kernel
+is rebuilt; builds go to a temporary file renamed into place, so concurrent processes never load a
+half-written library.
+
+Where the kernel cannot be used (not x86-64 Linux, a CPU without AVX2/FMA, no compiler, a failed
+build, `SPECFLEET_NATIVE=0`) `bf16_linear_available()` is False and callers keep torch's routes;
+the reason is logged once and kept in `unavailable_reason()`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+ABI = 1  # bump with specfleet_native_abi() in the C source
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the kernel is unavailable, once known
+_tried = False
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    words = set(flags.split())
+    return {"avx2", "fma"} <= words
+
+
+def _build(out: Path, compiler: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("SPECFLEET_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        raise RuntimeError("turned off by SPECFLEET_NATIVE=0")
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"built for x86-64 Linux only, this is {platform.system()} {platform.machine()}")
+    if not _cpu_has_avx2_fma():
+        raise RuntimeError("this CPU lacks AVX2 or FMA")
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    from specfleet.models.registry import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    path = cache_root() / "native" / f"bf16_linear-{key}.so"
+    if not path.exists():
+        _build(path, compiler)
+    lib = ctypes.CDLL(str(path))
+    if lib.specfleet_native_abi() != ABI:
+        raise RuntimeError(f"{path} has ABI {lib.specfleet_native_abi()}, expected {ABI}")
+    fn = lib.specfleet_bf16_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return lib
+
+
+def _get() -> ctypes.CDLL | None:
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _load()
+            except Exception as e:  # noqa: BLE001 -- any failure means: keep torch's routes
+                _reason = str(e)
+                log.info("specfleet native bf16 kernel unavailable: %s", _reason)
+            _tried = True
+    return _lib
+
+
+def bf16_linear_available() -> bool:
+    return _get() is not None
+
+
+def unavailable_reason() -> str | None:
+    _get()
+    return _reason
+
+
+def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
+    fp32 sums. Call only when `bf16_linear_available()`."""
+    lib = _get()
+    if lib is None:
+        raise RuntimeError(f"the native bf16 kernel is unavailable: {_reason}")
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
+    n, k = weight.shape
+    if x2.dim() != 2 or x2.shape[1] != k:
+        raise ValueError(f"bf16_linear: x of shape {tuple(x2.shape)} does not match weight {tuple(weight.shape)}")
+    x = x2.to(torch.float32).contiguous()
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        lib.specfleet_bf16_linear(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    if bias is not None:
+        y += bias.float()
+    return y
