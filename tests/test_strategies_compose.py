@@ -95,6 +95,11 @@ def test_draft_options_and_defaults(drafts):
     d = make("d1", drafts, num_speculative_tokens=5, top_children=3)
     assert (d.config.num_speculative_tokens, d.config.top_children) == (5, 3)
     assert make("lookup", drafts, top_children=2).config.num_branches == 2
+    # an optional field left at None takes its declared type (head_vocab: int | None), and none unsets it
+    d = make("d1[head_vocab=40]", drafts)
+    assert d.config.head_vocab == 40
+    with pytest.raises(InvalidRequestError, match="head_vocab='many': expected int"):
+        make("d1[head_vocab=many]", drafts)
 
 
 def test_compositions_that_cannot_work_are_refused(drafts):

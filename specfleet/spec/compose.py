@@ -32,6 +32,7 @@ request that the selector moves between `a` and `vote(a,b)` keeps its KV in `a`.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -159,8 +160,16 @@ def apply_options(config, options: dict[str, str], what: str, aliases: dict[str,
         name = (aliases or {}).get(key, key)
         if name not in known:
             raise InvalidRequestError(f"unknown option {key!r} for {what}; valid options: {', '.join(known)}")
-        changes[name] = convert(raw, getattr(config, name), f"{what} option {key}")
+        declared = typing.get_args(typing.get_type_hints(type(config)).get(name))
+        if raw.lower() == "none" and type(None) in declared:  # an optional field: none unsets it
+            changes[name] = None
+            continue
+        like = getattr(config, name)
+        if like is None:  # unset now: convert to the type it is declared with (`int | None` -> int)
+            like = next((t() for t in declared if t in (bool, int, float)), None)
+        changes[name] = convert(raw, like, f"{what} option {key}")
     return dataclasses.replace(config, **changes)
+
 
 
 def convert(raw: str, like, what: str):
