@@ -2,10 +2,12 @@
 
 Speculative verification and batching are worth it only where k rows cost much less than k single
 rows. This measures, for the Qwen2.5-1.5B layer shapes, the time of one forward through all four
-linear layers of a decoder layer with 1..16 rows, in bf16, fp32 and the weight-only int8 kernel that
-`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row. bf16 and fp32 run twice:
-through torch's `F.linear` ("torch") and through the project's CPU routes ("specfleet",
-runtime/cpu_linear.py: fp32 as W @ x^T, bf16 from `UPCAST_ROWS` rows as a sliced fp32 upcast).
+linear layers of a decoder layer with 1..32 rows, in bf16, fp32 and the weight-only int8 kernel that
+`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row of the same kind and to
+one row of torch's kernel for that dtype. bf16 runs three ways: torch's `F.linear` ("torch"), the
+project's CPU routes ("specfleet", runtime/cpu_linear.py: the native kernel up to `NATIVE_ROWS` rows, then
+the sliced fp32 upcast) and the routes without the native kernel ("sliced"); fp32 runs through torch and
+the project's W @ x^T route.
 
     .venv/bin/python benchmarks/bench_kernels.py            # about a minute on 2 CPU cores
 """
@@ -18,6 +20,7 @@ import torch
 
 from specfleet.bench.report import md_table, write_results
 from specfleet.runtime import model as model_mod
+from specfleet.runtime import native
 from specfleet.runtime.quant import Int8Linear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused)
@@ -27,7 +30,7 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
 def layer_fns(kind: str, dtype: torch.dtype):
     fns = []
     for out_f, in_f in SHAPES.values():
-        cls = model_mod.Linear if kind.endswith("specfleet") else torch.nn.Linear
+        cls = model_mod.Linear if kind.endswith(("specfleet", "sliced")) else torch.nn.Linear
         lin = cls(in_f, out_f, bias=False).to(dtype)
         if kind.startswith("int8"):
             fns.append((Int8Linear.from_linear(lin), in_f, dtype))
@@ -53,30 +56,48 @@ def time_layer(fns, rows: int, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 32])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_out, payload = [], {"args": vars(args), "shapes": SHAPES, "results": {}}
-    kinds = (("bf16 torch", torch.bfloat16), ("bf16 specfleet", torch.bfloat16), ("fp32 torch", torch.float32),
+    kinds = (("bf16 torch", torch.bfloat16), ("bf16 specfleet", torch.bfloat16), ("bf16 sliced", torch.bfloat16),
+             ("fp32 torch", torch.float32),
              ("fp32 specfleet", torch.float32), ("int8", torch.bfloat16), ("int8-fp32act", torch.float32))
     payload["upcast_rows"], payload["weight_left"] = model_mod.UPCAST_ROWS, model_mod.WEIGHT_LEFT
+    payload["native_rows"], payload["native_available"] = model_mod.NATIVE_ROWS, native.bf16_linear_available()
+    payload["native_unavailable_reason"] = native.unavailable_reason()
+    torch_one_row = {}
     for kind, dtype in kinds:
         fns = layer_fns(kind, dtype)
-        times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
+        native_rows = model_mod.NATIVE_ROWS
+        if kind == "bf16 sliced":
+            model_mod.NATIVE_ROWS = 0
+        try:
+            times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
+        finally:
+            model_mod.NATIVE_ROWS = native_rows
         payload["results"][kind] = {str(r): t for r, t in times.items()}
+        family = kind.split()[0]
+        torch_one_row.setdefault(family, times[args.rows[0]])
         for r, t in times.items():
             rows_out.append({"weights": kind, "rows": r, "ms_per_layer": 1e3 * t, "vs_one_row": t / times[args.rows[0]],
+                             "vs_torch_one_row": t / torch_one_row[family],
                              "ms_per_row": 1e3 * t / r, "x_28_layers_ms": 28e3 * t})
-            print(f"{kind:14} rows {r:3d}: {1e3 * t:8.2f} ms per layer ({t / times[args.rows[0]]:.2f}x one row)",
-                  flush=True)
+            print(f"{kind:14} rows {r:3d}: {1e3 * t:8.2f} ms per layer ({t / times[args.rows[0]]:.2f}x one row, "
+                  f"{t / torch_one_row[family]:.2f}x torch's one row)", flush=True)
     body = ("One decoder layer's four linear layers (qkv, o, gate_up, down) at the Qwen2.5-1.5B shapes; "
             "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
             f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/cpu_linear.py (fp32: W @ x^T from "
-            f"2 rows; bf16: sliced fp32 upcast from {model_mod.UPCAST_ROWS} rows).\n\n"
-            + md_table(rows_out, ["weights", "rows", "ms_per_layer", "vs_one_row", "ms_per_row", "x_28_layers_ms"]))
+            f"2 rows; bf16: the native kernel up to {model_mod.NATIVE_ROWS} rows"
+            f"{'' if native.bf16_linear_available() else ' (UNAVAILABLE here: ' + str(native.unavailable_reason()) + ')'}"
+            f", then the sliced fp32 upcast from {model_mod.UPCAST_ROWS} rows); sliced = specfleet without the native "
+            "kernel. vs_torch_one_row: against the first kind of the same dtype's one row (bf16, fp32: torch; "
+            "int8 and int8-fp32act: their own).\n\n"
+            + md_table(rows_out, ["weights", "rows", "ms_per_layer", "vs_one_row", "vs_torch_one_row", "ms_per_row",
+                                  "x_28_layers_ms"]))
     print(write_results("kernels", payload, body, device="cpu", dtype="bf16/fp32/int8"))
 
 

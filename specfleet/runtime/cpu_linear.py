@@ -16,8 +16,9 @@ So on CPUs without native bf16 this module computes
 - bf16 weights with up to `native_rows` rows (32 by default): specfleet's own AVX2 kernel
   (csrc/bf16_linear.c via runtime/native.py), which reads each weight once, widens it in registers and
   multiplies it by every row, so 5 rows cost about what one row of torch's kernel does and one row
-  costs less (measured on the 1.5B's layer shapes: 1/2/5/8/16 rows 0.71/0.75/1.05/1.55/2.45x of
-  torch's one row, against torch's 0.93/1.79/4.19/6.71x and the sliced route's 2.95/4.24/3.48x at 5/8/16);
+  costs less (benchmarks/results/kernels-cpu-20261122T033135Z: one decoder layer of the 1.5B, 1/2/5/8/16/32
+  rows cost 0.66/0.71/1.09/1.60/2.66/5.46x torch's one row, against torch's 1.96x at 2 rows,
+  4.75/7.57/14.8/29.4x at 5/8/16/32 and the sliced route's 3.05/3.78/3.70/5.51x);
   where it cannot be built (see runtime/native.py) the two routes below take over;
 - fp32 weights with 2 <= rows: W @ x^T (then transposed back), the same arithmetic;
 - bf16 weights with >= `upcast_rows` rows (4 by default) not taken by the native kernel, and int8 weights with >= `INT8_SLICED_ROWS`
