@@ -129,6 +129,33 @@ def test_hf_system_stops_at_eos_unless_ignored(tiny_pair):
     assert all(g.ttft_s is not None and 0 <= g.ttft_s <= g.latency_s for g in free + stop)
 
 
+def test_bench_rounds_alternate_the_order_and_pool_every_round(tiny_pair, tmp_path, monkeypatch):
+    """--rounds 3: the systems run A B, B A, A B; each summary pools its 3 rounds of waves."""
+    import specfleet.bench.runner as runner
+
+    target, draft = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nhow are you today?\n")
+    built = []
+    real_build = runner._build
+    monkeypatch.setattr(runner, "_build", lambda spec, *a: built.append(spec.label) or real_build(spec, *a))
+    out = tmp_path / "out"
+    spec = f"specfleet:{draft},k=3"
+    rc = bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--num-prompts", "2",
+                     "--batch-sizes", "1", "--max-tokens", "5", "--dtype", "float32", "--ignore-eos", "--no-plots",
+                     "--no-progress", "--out", str(out), "--rounds", "3", "--systems", "ar", spec])
+    assert rc == 0
+    assert built == ["ar", spec, spec, "ar", "ar", spec]
+    part = json.loads((out / "results.json").read_text())["results"]["parts"][0]
+    assert [s["label"] for s in part["systems"]] == ["ar", spec]
+    rows = {s["system"]: s for s in part["summaries"]}
+    assert rows["ar"]["num_requests"] == 6 and rows[spec]["num_requests"] == 6
+    assert rows[spec]["baseline_match_rate"] == 1.0
+    assert "rounds: 3" in (out / "report.md").read_text()
+    assert bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--no-progress", "--rounds", "0",
+                       "--out", str(tmp_path / "o"), "--systems", "ar"]) == 2
+
+
 def test_bench_cli_errors(tiny_pair, tmp_path, capsys):
     target, _ = tiny_pair
     prompts = tmp_path / "p.txt"

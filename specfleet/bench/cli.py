@@ -63,6 +63,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "systems stay in --dtype)")
     p.add_argument("--kv-cache-mb", type=int, help="specfleet KV cache budget per system, MiB")
     p.add_argument("--baseline", help="system that speed-ups are measured against (default: specfleet:none)")
+    p.add_argument("--rounds", type=int, help="run the systems this many times, alternating their order, and "
+                                              "pool the rounds (cancels drift of a shared machine; default 1)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>-<device>-<stamp>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,7 +83,7 @@ def _presets_help(presets) -> str:
 
 _OVERRIDES = ("model", "dataset", "num_prompts", "shuffle_seed", "max_prompt_tokens", "chat", "batch_sizes",
               "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "dtype", "device", "spec_len",
-              "kv_cache_mb", "baseline", "quantization")
+              "kv_cache_mb", "baseline", "quantization", "rounds")
 
 
 def build_preset(args):

@@ -36,6 +36,10 @@ class RunConfig:
     kv_cache_mb: int | None = None
     quantization: str | None = None  # "int8": every specfleet system's target and drafts (runtime/quant.py)
     baseline: str | None = None  # speed-ups are against this system; default: the first specfleet:none
+    # > 1: run every system this many times over all prompts, alternating the order (A B C, C B A, ...),
+    # and report all rounds together, so a machine that slows down or speeds up during the run (shared
+    # hosts do, by 20 % and more within an hour) affects every system alike instead of the first or last
+    rounds: int = 1
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ def _part(part: dict, plots: list[Path]) -> list[str]:
              f"- generation: {sampling}, up to {cfg['max_tokens']} new tokens"
              f"{', EOS ignored' if cfg['ignore_eos'] else ''}; batch sizes {list(cfg['batch_sizes'])}; "
              f"default draft length {cfg['spec_len']}"]
+    if cfg.get("rounds", 1) > 1:
+        lines.append(f"- rounds: {cfg['rounds']}, the systems' order alternating (as listed, then reversed); "
+                     "every figure pools all rounds")
     if part["roofline_tok_s"]:
         lines.append(f"- roofline: {part['weight_bytes_per_step'] / 1e9:.2f} GB of target weights read per step "
                      f"-> at most {part['roofline_tok_s']:.2f} tok/s per sequence for plain decoding")

@@ -72,8 +72,8 @@ def validate(preset: Preset) -> None:
             raise SpecfleetError(f"part {cfg.name}: a system is listed twice: {list(cfg.systems)}")
         if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
             raise SpecfleetError(f"part {cfg.name}: batch sizes must be positive integers, got {cfg.batch_sizes}")
-        if cfg.max_tokens < 1 or cfg.num_prompts < 1:
-            raise SpecfleetError(f"part {cfg.name}: --max-tokens and --num-prompts must be at least 1")
+        if cfg.max_tokens < 1 or cfg.num_prompts < 1 or cfg.rounds < 1:
+            raise SpecfleetError(f"part {cfg.name}: --max-tokens, --num-prompts and --rounds must be at least 1")
         if cfg.chat not in ("auto", "on", "off"):
             raise SpecfleetError(f"part {cfg.name}: --chat must be auto, on or off, got {cfg.chat!r}")
         parse_dtype(cfg.dtype)
@@ -136,21 +136,24 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     specs = [parse_system(s) for s in cfg.systems]
     baseline = cfg.baseline or next((s.label for s in specs if s.is_autoregressive), None)
     settings = Settings(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, cfg.ignore_eos)
-    waves_total = sum(-(-len(prompt_ids) // b) for b in cfg.batch_sizes) * len(specs)
+    order = [spec for r in range(cfg.rounds) for spec in (specs if r % 2 == 0 else specs[::-1])]
+    waves_total = sum(-(-len(prompt_ids) // b) for b in cfg.batch_sizes) * len(order)
     bar = tqdm(total=waves_total, desc=cfg.name, unit="wave", disable=not progress, dynamic_ncols=True)
     timed = _Timings()
-    system_info = []
-    for i, spec in enumerate(specs):
+    system_info = {}
+    for i, spec in enumerate(order):
         bar.set_postfix_str(f"{spec.label}: loading")
-        pool.keep_only(_keys(specs[i:], cfg))
+        pool.keep_only(_keys(order[i:], cfg))
         system = _build(spec, cfg, pool, eos, pad)
-        system_info.append({"label": spec.label, "kind": spec.kind, "draft": spec.draft, "settings": system.notes})
+        system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
+                                            "settings": system.notes})
         bar.set_postfix_str(f"{spec.label}: warm-up")
         system.generate(prompt_ids[:1], replace(settings, max_tokens=min(8, settings.max_tokens)))
         for b in cfg.batch_sizes:
             timed.run(system, b, prompts, prompt_ids, settings, bar)
         system.close()
         del system
+    system_info = [system_info[s.label] for s in specs]
     pool.keep_only(set())
     bar.close()
     timed.mark_matches(baseline, prompts)

@@ -76,9 +76,15 @@ def _load() -> ctypes.CDLL:
     from specfleet.models.registry import cache_root
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_root() / "native" / f"bf16_linear-{key}.so"
+    name = f"bf16_linear-{key}.so"
+    path = cache_root() / "native" / name
     if not path.exists():
-        _build(path, compiler)
+        try:
+            _build(path, compiler)
+        except OSError:  # the cache is not writable (a read-only home): build in the temp directory
+            path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
+            if not path.exists():
+                _build(path, compiler)
     lib = ctypes.CDLL(str(path))
     if lib.specfleet_native_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.specfleet_native_abi()}, expected {ABI}")
