@@ -152,7 +152,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                   ("specfleet:none", 1), "throughput_tok_s", 1.0),
             Check("HumanEval: specfleet spec vs transformers assisted", "humaneval", ("specfleet:qwen-0.5b", 1),
                   ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.0)),
-           expected_duration="about 15 minutes on 2 CPU cores"),
+           expected_duration="about 10 minutes on 2 CPU cores (15 without the native bf16 kernel)"),
     Preset("int8", "opt-in weight-only int8 (runtime/quant.py) on the CPU: the 1.5B with and without the 0.5B "
            "draft in bf16 and int8, beside transformers bf16; 4 HumanEval prompts, 32 new tokens, batch 1",
            (RunConfig(name="humaneval", num_prompts=4, max_tokens=32, batch_sizes=(1,),
@@ -185,7 +185,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                   (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25),
             Check("ShareGPT: vote with weightless drafts + adaptive vs the best single draft (0.5B)", "sharegpt",
                   (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25)),
-           expected_duration="about 50 minutes for HumanEval and 25 for ShareGPT on 2 CPU cores (--parts "
+           expected_duration="about 30 minutes for HumanEval and 15 for ShareGPT (50 and 25 without the native bf16 kernel) on 2 CPU cores (--parts "
                              "humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
