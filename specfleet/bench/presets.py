@@ -185,8 +185,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                   (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25),
             Check("ShareGPT: vote with weightless drafts + adaptive vs the best single draft (0.5B)", "sharegpt",
                   (_VOTE_FREE, 1), ("specfleet:qwen-0.5b", 1), "throughput_tok_s", 1.25)),
-           expected_duration="about 30 minutes for HumanEval and 15 for ShareGPT (50 and 25 without the native bf16 kernel) on 2 CPU cores (--parts "
-                             "humaneval for one); add --quantization int8 to run every specfleet system on "
+           expected_duration="about 30 minutes for HumanEval and 15 for ShareGPT (50 and 25 without the native "
+                             "bf16 kernel) on 2 CPU cores (--parts humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
