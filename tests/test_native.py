@@ -1,7 +1,5 @@
 """The native bf16 kernel (runtime/csrc/bf16_linear.c via runtime/native.py): exact fp32 sums of the
 bf16 products, batch-invariant rows, routing, fallbacks when it cannot be built."""
-import os
-import platform
 import shutil
 
 import pytest
@@ -12,13 +10,8 @@ from specfleet.runtime import native
 from specfleet.runtime.cpu_linear import cpu_linear
 
 
-def _buildable() -> bool:
-    return (platform.system() == "Linux" and platform.machine() == "x86_64" and native._cpu_has_avx2_fma()
-            and (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")) is not None
-            and os.environ.get("SPECFLEET_NATIVE", "1") != "0")
-
-
-needs_native = pytest.mark.skipif(not _buildable(), reason="needs x86-64 Linux with AVX2/FMA and a C compiler")
+needs_native = pytest.mark.skipif(native.missing_prerequisite() is not None,
+                                  reason=f"cannot build the kernel here: {native.missing_prerequisite()}")
 
 
 @needs_native

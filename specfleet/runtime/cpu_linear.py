@@ -115,9 +115,11 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (0 < rows <= native_rows and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and weight.is_contiguous() and native.bf16_linear_available()):
-        out = native.bf16_linear(x.reshape(rows, k), weight, bias)
-        return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            and weight.is_contiguous()):
+        lib = native.library()
+        if lib is not None:
+            out = native.run_bf16_linear(lib, x.reshape(rows, k), weight, bias)
+            return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     if weight_left and weight.dtype == torch.float32 and x.dtype == torch.float32 and rows >= 2:
         return weight_left_linear(x.reshape(rows, k), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if upcast_rows and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and rows >= upcast_rows:

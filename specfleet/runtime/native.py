@@ -63,16 +63,28 @@ def _build(out: Path, compiler: str) -> None:
             os.unlink(tmp)
 
 
-def _load() -> ctypes.CDLL:
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def missing_prerequisite() -> str | None:
+    """Why the kernel cannot be built here, before trying (None: it should build)."""
     if os.environ.get("SPECFLEET_NATIVE", "1").lower() in ("0", "false", "no", "off"):
-        raise RuntimeError("turned off by SPECFLEET_NATIVE=0")
+        return "turned off by SPECFLEET_NATIVE=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"built for x86-64 Linux only, this is {platform.system()} {platform.machine()}")
+        return f"built for x86-64 Linux only, this is {platform.system()} {platform.machine()}"
     if not _cpu_has_avx2_fma():
-        raise RuntimeError("this CPU lacks AVX2 or FMA")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+        return "this CPU lacks AVX2 or FMA"
+    if _compiler() is None:
+        return "no C compiler found (set CC, or install gcc)"
+    return None
+
+
+def _load() -> ctypes.CDLL:
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise RuntimeError(missing)
+    compiler = _compiler()
     from specfleet.models.registry import cache_root
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
@@ -114,6 +126,11 @@ def bf16_linear_available() -> bool:
     return _get() is not None
 
 
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None where it is unavailable (built on the first call)."""
+    return _get()
+
+
 def unavailable_reason() -> str | None:
     _get()
     return _reason
@@ -121,15 +138,22 @@ def unavailable_reason() -> str | None:
 
 def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
-    fp32 sums. Call only when `bf16_linear_available()`."""
+    fp32 sums. Checks its arguments; raises if the kernel is unavailable."""
     lib = _get()
     if lib is None:
         raise RuntimeError(f"the native bf16 kernel is unavailable: {_reason}")
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
-    n, k = weight.shape
-    if x2.dim() != 2 or x2.shape[1] != k:
+    if x2.dim() != 2 or x2.shape[1] != weight.shape[1]:
         raise ValueError(f"bf16_linear: x of shape {tuple(x2.shape)} does not match weight {tuple(weight.shape)}")
+    return run_bf16_linear(lib, x2, weight, bias)
+
+
+def run_bf16_linear(lib: ctypes.CDLL, x2: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`bf16_linear` without the checks, for a caller that has made them (runtime/cpu_linear.py, once per
+    linear layer per forward): `lib` from `library()`, a contiguous bf16 CPU weight, x2 [M, K] on the CPU."""
+    n, k = weight.shape
     x = x2.to(torch.float32).contiguous()
     m = x.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)

@@ -171,7 +171,6 @@ def apply_options(config, options: dict[str, str], what: str, aliases: dict[str,
     return dataclasses.replace(config, **changes)
 
 
-
 def convert(raw: str, like, what: str):
     try:
         if isinstance(like, bool):
