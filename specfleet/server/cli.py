@@ -52,7 +52,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from specfleet.extras import require
+
+    for module in ("fastapi", "pydantic", "prometheus_client"):
+        require(module, "serve", "specfleet serve")
+    uvicorn = require("uvicorn", "serve", "specfleet serve")
 
     from specfleet.cli import build_llm
     from specfleet.errors import SpecfleetError

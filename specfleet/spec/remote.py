@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.engine.request import Request
-from specfleet.errors import InvalidRequestError
+from specfleet.extras import require
 from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.model import DecoderLM, Rotary
 from specfleet.runtime.model_config import ModelConfig
@@ -30,11 +30,7 @@ from specfleet.spec.tree import DraftTree
 
 
 def require_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise InvalidRequestError("remote draft workers need Ray: pip install 'specfleet[pipeline]'") from e
-    return ray
+    return require("ray", "pipeline", "remote draft workers")
 
 
 @dataclass(frozen=True)
