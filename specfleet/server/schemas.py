@@ -6,13 +6,15 @@ Policy on fields (chosen so that a typo never silently changes a request):
   get a 400 that names the field instead of being ignored;
 - OpenAI fields we do not implement (penalties, logprobs, logit_bias, echo, suffix, best_of, ...)
   are accepted only at their no-op value; anything else gets a 400 saying it is unsupported;
+- an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
+  official client sends null for a keyword argument passed as None); required fields stay required;
 - `top_k` and `ignore_eos` are extensions, as in vLLM.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specfleet.errors import InvalidRequestError
 
@@ -52,6 +54,17 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # applies to the fields of the request subclasses too; a required field has no default
+        # (is_required), so its null still fails as a wrong type
+        if value is None and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not field.is_required():
+                return field.get_default(call_default_factory=True)
+        return value
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
