@@ -4,7 +4,8 @@ A request goes: size-limited body -> JSON + strict schema -> model and unsupport
 tokenize (on one tokenizer thread, so a megabyte prompt never stalls the event loop) -> context
 checks -> admission (429 when the queue is full) -> stream or collect outputs. Every failure before
 the response starts is an OpenAI error body with a 4xx/5xx status; a failure after a stream started
-is sent as a final `data: {"error": ...}` event followed by `data: [DONE]`.
+is sent as a final `data: {"error": ...}` event followed by `data: [DONE]`. A shutdown that runs out
+of time ends the requests still running the same way, with a 503 (server/shutdown.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddlewa
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from specfleet.server.shutdown import Drain
 
 T = TypeVar("T")
 M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
@@ -51,6 +53,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     engine = AsyncEngine(llm.engine, config.max_queue)
     metrics = ServerMetrics(engine)
     tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
+    drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
 
     @contextlib.asynccontextmanager
@@ -65,12 +68,13 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.max_body_bytes = config.max_body_bytes
     app.state.engine = engine
+    app.state.drain = drain  # `specfleet serve` starts it when uvicorn begins its shutdown
     app.add_middleware(MaxBodySizeMiddleware, max_bytes=config.max_body_bytes)
     install_error_handlers(app)
 
     async def tokenize(fn: Callable[[], list[int]]) -> list[int]:
         try:
-            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+            return await drain.race(asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn))
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
 
@@ -94,6 +98,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def serve(endpoint: str, request: Request, fn: Callable[[], Awaitable[Response]]) -> Response:
         """Run a handler; count it; turn any error into the OpenAI error response."""
         try:
+            drain.check_accepting()
             return await fn()
         except ClientGone:
             metrics.observe_rejected(endpoint, 499)
@@ -120,8 +125,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             ids = await tokenize(lambda: llm.encode(prompt))
             p, stream = start(ids, req, req.max_tokens, "cmpl")
             if req.stream:
-                return sse(completion_events(p, req, stream), closing(stream, "completions"))
-            out = await collect(request, stream)
+                end = _StreamEnd()
+                return sse(completion_events(p, req, stream, end), closing(stream, "completions", end))
+            out = await collect(request, stream, drain)
             metrics.observe_finished("completions", out)
             return JSONResponse(serving.completion_body(p, config.model_name, out))
         return await serve("completions", request, handle)
@@ -134,61 +140,73 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             ids = await tokenize(lambda: llm.apply_chat_template(messages))
             p, stream = start(ids, req, req.requested_max_tokens(), "chatcmpl")
             if req.stream:
-                return sse(chat_events(p, req, stream), closing(stream, "chat"))
-            out = await collect(request, stream)
+                end = _StreamEnd()
+                return sse(chat_events(p, req, stream, end), closing(stream, "chat", end))
+            out = await collect(request, stream, drain)
             metrics.observe_finished("chat", out)
             return JSONResponse(serving.chat_body(p, config.model_name, out))
         return await serve("chat", request, handle)
 
-    def closing(stream: RequestStream, endpoint: str) -> Callable[[], Awaitable[None]]:
+    def closing(stream: RequestStream, endpoint: str, end: _StreamEnd) -> Callable[[], Awaitable[None]]:
         async def close() -> None:  # when a streamed response ends, however it ends
-            if not stream.is_finished and stream.error is None:  # the client went away mid-stream
+            if not end.counted:  # neither finished nor failed: the client went away mid-stream
                 metrics.observe_rejected(endpoint, 499)
             await stream.aclose()
         return close
 
-    async def completion_events(p: serving.Prepared, req: CompletionRequest,
-                                stream: RequestStream) -> AsyncIterator[str]:
+    async def completion_events(p: serving.Prepared, req: CompletionRequest, stream: RequestStream,
+                                end: _StreamEnd) -> AsyncIterator[str]:
         def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
             return serving.completion_chunk(p, config.model_name, text, out)
-        async for event in stream_events("completions", p, req, stream, chunk, "text_completion"):
+        async for event in stream_events("completions", p, req, stream, end, chunk, "text_completion"):
             yield event
 
-    async def chat_events(p: serving.Prepared, req: ChatCompletionRequest,
-                          stream: RequestStream) -> AsyncIterator[str]:
+    async def chat_events(p: serving.Prepared, req: ChatCompletionRequest, stream: RequestStream,
+                          end: _StreamEnd) -> AsyncIterator[str]:
         def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
             return serving.chat_chunk(p, config.model_name, {"content": text}, out)
         # OpenAI opens every chat stream with the role; it also gets the headers to the client at once
         yield data(serving.chat_chunk(p, config.model_name, {"role": "assistant", "content": ""}, None))
-        async for event in stream_events("chat", p, req, stream, chunk, "chat.completion.chunk"):
+        async for event in stream_events("chat", p, req, stream, end, chunk, "chat.completion.chunk"):
             yield event
 
     async def stream_events(endpoint: str, p: serving.Prepared, req: CompletionRequest | ChatCompletionRequest,
-                            stream: RequestStream,
+                            stream: RequestStream, end: _StreamEnd,
                             chunk: Callable[[str, RequestOutput | None], dict[str, Any]],
                             obj: str) -> AsyncIterator[str]:
         deltas = serving.DeltaText(p.params.stop)
         try:
-            async for out in stream:
+            while (out := await drain.race(next_output(stream))) is not None:
                 text = deltas.delta(out)
                 if text or out.finished:
                     yield data(chunk(text, out))
                 if out.finished:
                     metrics.observe_finished(endpoint, out)
+                    end.counted = True
                     if req.stream_options is not None and req.stream_options.include_usage:
                         yield data(serving.usage_chunk(p, config.model_name, out, obj))
         except Exception as e:  # noqa: BLE001 -- the status line is sent; report in-band, as OpenAI does
             err = api_error_from(e)
             metrics.observe_rejected(endpoint, err.status)
+            end.counted = True
             yield data(err.body())
         yield "data: [DONE]\n\n"
 
+    model_card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "specfleet",
+                  "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specfleet", "max_model_len": max_len}]}
+        return {"object": "list", "data": [model_card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")  # `:path`: a model id may hold slashes (a folder path)
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != config.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{config.model_name!r}", param="model", code="model_not_found")
+        return model_card
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the same status, no body
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
@@ -204,6 +222,13 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
 def data(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _StreamEnd:
+    """Whether a streamed response's outcome (finished or failed) is already in the metrics."""
+
+    counted: bool = False
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -231,10 +256,11 @@ def sse(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> 
     return _ClosingStreamingResponse(events, on_close)
 
 
-async def collect(request: Request, stream: RequestStream) -> RequestOutput:
-    """The final output of a non-streamed request; aborts it if the client disconnects first."""
+async def collect(request: Request, stream: RequestStream, drain: Drain) -> RequestOutput:
+    """The final output of a non-streamed request; aborts it if the client disconnects first, or
+    raises the 503 of an aborted request if the shutdown drain ends it first."""
     try:
-        return await until_disconnect(request, last_output(stream))
+        return await until_disconnect(request, drain.race(last_output(stream)))
     finally:
         await stream.aclose()  # a no-op when it finished; frees it even if the reader never started
 
@@ -245,6 +271,14 @@ async def last_output(stream: RequestStream) -> RequestOutput:
         last = out
     assert last is not None and last.finished, "an engine stream ends with a finished output"
     return last
+
+
+async def next_output(stream: RequestStream) -> RequestOutput | None:
+    """The stream's next output, or None once it has ended."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

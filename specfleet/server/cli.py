@@ -1,8 +1,10 @@
 """`specfleet serve`: load the model and drafts, then serve the OpenAI-compatible API with uvicorn.
 
-SIGTERM (and Ctrl-C) shut down gracefully: uvicorn stops accepting connections and lets in-flight
-responses finish for up to --shutdown-timeout seconds, cancels the rest (their requests are
-aborted), then the app's lifespan stops the engine thread. The process then exits 0.
+SIGTERM (and Ctrl-C) shut down gracefully: uvicorn stops accepting connections, new requests on open
+connections get 503, and in-flight requests have --shutdown-timeout seconds to finish; the ones still
+running then end with a 503 error of their own (a JSON body, or a final error event and [DONE] in a
+stream; server/shutdown.py) and their engine requests are aborted. The app's lifespan then stops the
+engine thread, and the process exits 0.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specfleet.cli import build_llm
     from specfleet.errors import SpecfleetError
     from specfleet.server.app import ServerConfig, create_app
+    from specfleet.server.shutdown import UVICORN_BACKSTOP_S, Drain
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
@@ -70,11 +73,25 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
                           args.shutdown_timeout)
     app = create_app(llm, config)
+    drain: Drain = app.state.drain
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, with the app's own drain running ahead of uvicorn's graceful timeout."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            timer = drain.begin()
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     host, port = sock.getsockname()[:2]
     print(f"specfleet: serving {config.model_name} on http://{host}:{port} "
           f"(context {llm.engine.max_model_len} tokens, {llm.engine.blocks.num_blocks} KV blocks)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
-                                           timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+    # uvicorn's own timeout only backs ours up: it cancels what the drain could not end in time
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + UVICORN_BACKSTOP_S,
+                                           lifespan="on"))
     # uvicorn re-raises the signal it caught once its graceful shutdown is done; with the default
     # handler that would kill us with status -15 after a clean stop, so answer it with a no-op
     for sig in (signal.SIGTERM, signal.SIGINT):
