@@ -9,10 +9,12 @@ Grammar (whitespace is ignored; names are letters, digits and `_ . @ / ~ : -`):
               | 'ngram' [options]            the n-gram model speeds up the draft model before it (staged)
     options  := '[' key '=' value (',' key '=' value)* ']'
 
-A NAME is a built-in draft (`prompt-lookup` or `lookup`; `ngram`, the backoff n-gram model), a
+A NAME is a built-in draft (`prompt-lookup` or `lookup`; `ngram`, the backoff n-gram model; `suffix`,
+suffix-trie drafting over the request's own text and recent outputs), a
 registered proposer, or a model: a registered name (`qwen-0.5b`), `MODEL@N` (its first N layers) or a
 checkpoint path. Options set the fields of the matching config dataclass (DraftModelConfig for a
-model, PromptLookupConfig, NgramConfig, VoteConfig, SelectorConfig, LengthConfig for +adaptive,
+model, PromptLookupConfig, NgramConfig, SuffixConfig (`global` sets use_global), VoteConfig, SelectorConfig,
+LengthConfig for +adaptive,
 StagedConfig for +ngram, which also takes the tables' order, min_count and path); k, width and nodes are short for the depth, the branching and the node
 budget of a draft. Unknown keys are an error that lists the valid ones.
 
@@ -22,6 +24,7 @@ Examples:
     qwen-0.5b+ngram[path=t.json.gz]    the draft model drafting with the n-gram model's help (staged),
                                        tables from `specfleet ngram build` (else learned online)
     vote(qwen-0.5b,qwen-0.5b@18,prompt-lookup)
+    suffix[k=8,nodes=12,min_match=3,global=false]   suffix drafting, 8 deep, 12 nodes, own context only
     select[policy=epsilon-greedy](qwen-0.5b,prompt-lookup)
     select(vote(qwen-0.5b,qwen-0.5b@18,prompt-lookup),qwen-0.5b,prompt-lookup)+adaptive[max_length=6]
 

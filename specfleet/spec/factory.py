@@ -20,10 +20,12 @@ from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupPropose
 from specfleet.spec.proposer import Proposer, get_factory, registered_names
 from specfleet.spec.selector import SelectorConfig, SelectorProposer
 from specfleet.spec.staged import StagedConfig, StagedProposer
+from specfleet.spec.suffix import SuffixConfig, SuffixProposer
 from specfleet.spec.vote import VoteConfig, VoteProposer
 
 LOOKUP_NAMES = ("prompt-lookup", "lookup")
 LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
+SUFFIX_ALIASES = {"k": "max_depth", "nodes": "max_nodes", "global": "use_global"}  # `global` is a Python keyword
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class _Builder:
             cfg = apply_options(PromptLookupConfig(spec.num_speculative_tokens, num_branches=spec.top_children),
                                 opts, name, LOOKUP_ALIASES)
             return PromptLookupProposer(cfg, name=label if opts else "prompt-lookup")
+        if name == "suffix":
+            return SuffixProposer(apply_options(SuffixConfig(), opts, name, SUFFIX_ALIASES), name=label)
         if name == "ngram":
             cfg = apply_options(replace(spec.ngram, num_speculative_tokens=spec.num_speculative_tokens), opts, name,
                                 MODEL_ALIASES)
