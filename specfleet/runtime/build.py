@@ -37,6 +37,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
                 device: torch.device) -> DecoderLM:
     with torch.device("meta"):
         model = DecoderLM(cfg)
+    model.install_quantized(weights)  # GGUF-format weights replace their layers before anything is allocated
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)

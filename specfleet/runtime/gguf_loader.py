@@ -179,30 +179,48 @@ def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
     return w.reshape(expected)
 
 
-def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a GGUF file into HF-named tensors of `dtype`.
+def _tensors(reader: GGUFReader, config: ModelConfig, path: Path, desc: str, delay: float):
+    """(tensor, HF name, heads whose q/k rows llama.cpp permuted or None) for every tensor, with a
+    progress bar over them (shown once `delay` seconds have passed)."""
+    from tqdm import tqdm
 
-    Memory peaks at the final weights plus one float32 copy of the largest tensor, because each
-    tensor is cast to `dtype` right after it is dequantized.
-    """
-    reader = open_gguf(path)
-    config = config_from_metadata(reader, path)
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", delay=delay, leave=False):
         name = hf_name(tensor.name)
         if name is None:
             raise UnsupportedModelError(
                 f"{path}: tensor {tensor.name!r} has no counterpart in specfleet's {config.arch} model "
                 "(e.g. rope_freqs means rope scaling, which is not supported)"
             )
-        w = _dequantize(tensor, path)
+        heads = None
         if config.arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, config.num_heads)
+            heads = config.num_heads
         elif config.arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, config.num_kv_heads)
-        if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
-            w = w.copy()
-        weights[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+            heads = config.num_kv_heads
+        yield tensor, name, heads
+
+
+def _dense(tensor: ReaderTensor, path: Path, heads: int | None) -> torch.Tensor:
+    """The tensor dequantized to float32 in HF layout (a writable copy, never a view of the file)."""
+    w = _dequantize(tensor, path)
+    if heads is not None:
+        w = unpermute_qk(w, heads)
+    if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+        w = w.copy()
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a GGUF file into HF-named tensors of `dtype`.
+
+    Memory peaks at the final weights plus one float32 copy of the largest tensor, because each
+    tensor is cast to `dtype` right after it is dequantized. A progress bar runs over the tensors
+    (the conversion takes a minute or two for a 1.5B model on 2 cores).
+    """
+    reader = open_gguf(path)
+    config = config_from_metadata(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor, name, heads in _tensors(reader, config, path, f"converting {path.name}", 0.0):
+        weights[name] = _dense(tensor, path, heads).to(dtype)
     return config, weights
 
 
@@ -225,3 +243,56 @@ def save_tokenizer(path: Path, out_dir: Path) -> None:
         if template:  # keep the template even if a transformers version drops it on the way
             tok.chat_template = template
     tok.save_pretrained(str(out_dir))
+
+
+def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, Any]]:
+    """HF-named weights with every matrix kept in its GGUF block format (a QTensor, runtime/qtensor.py).
+
+    A matrix's QTensor wraps the reader's memory map of the file without a copy, so resident memory
+    grows to about the file's size as the pages are first read, and no dense copy ever exists.
+    Vectors (norms, biases) and matrices stored as F32/F16/BF16 in a format the kernels do not take
+    come back dense in float32. The q/k rows of the `llama` arch are un-permuted by reordering whole
+    rows, which GGUF's blocks (along a row) allow. With `requant` (a GGMLQuantizationType) every matrix
+    is dequantized and quantized again into that format instead, one at a time (see `requantize`).
+    """
+    from specfleet.runtime import qtensor
+
+    reader = open_gguf(path)
+    config = config_from_metadata(reader, path)
+    weights: dict[str, Any] = {}
+    dense_types = ("F32", "F16", "BF16")
+    for tensor, name, heads in _tensors(reader, config, path, f"loading {path.name}", 3.0):
+        kind = tensor.tensor_type
+        if len(tensor.shape) != 2 or (kind.name in dense_types and kind not in qtensor.SUPPORTED_TYPES):
+            weights[name] = _dense(tensor, path, heads)
+        elif requant is not None:
+            weights[name] = requantize(_dense(tensor, path, heads), requant)
+        elif kind in qtensor.SUPPORTED_TYPES:
+            cols, rows = (int(d) for d in tensor.shape.tolist())
+            w = qtensor.QTensor(tensor.data, kind, (rows, cols))
+            if heads is not None:
+                w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))
+            weights[name] = w
+        else:
+            supported = ", ".join(sorted(t.name for t in qtensor.SUPPORTED_TYPES))
+            raise UnsupportedModelError(
+                f"{path}: tensor {tensor.name!r} is stored as {kind.name}, which specfleet cannot run as it is "
+                f"(its kernels take {supported}); load the file dequantized instead with quantization='none' "
+                "(CLI --quantization none), or requantize it with quantization='q8_0'"
+            )
+    return config, weights
+
+
+def requantize(weight: torch.Tensor, qtype):
+    """A dense [N, K] weight quantized to `qtype`; a K that is not a multiple of the format's block takes
+    Q8_0 (32-wide blocks) instead, as llama.cpp does for such rows, or stays dense if even that does not fit."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from specfleet.runtime import qtensor
+
+    k = int(weight.shape[1])
+    if k % GGML_QUANT_SIZES[qtype][0]:
+        qtype = GGMLQuantizationType.Q8_0
+        if k % GGML_QUANT_SIZES[qtype][0]:
+            return weight.float()
+    return qtensor.quantize(weight.float(), qtype)

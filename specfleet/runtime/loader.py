@@ -40,8 +40,20 @@ class Checkpoint:
     folder: Path  # HF layout (config.json + safetensors + tokenizer) that transformers can load too
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load an HF checkpoint folder or a `.gguf` file with every weight cast to `dtype`."""
+# GGUF block formats a model can be requantized into at load (`quantization="q4_0"` etc.)
+REQUANT_FORMATS = ("q4_0", "q8_0", "q4_k")
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "none") -> Checkpoint:
+    """Load an HF checkpoint folder or a `.gguf` file.
+
+    quantization="none": every weight cast to `dtype` (a GGUF file goes through the dense cache).
+    quantization="gguf": a GGUF file's matrices stay in their block formats (QTensors over the file's
+    memory map, see `gguf_loader.read_gguf_native`); vectors come back in float32 and `dtype` is unused.
+    quantization in REQUANT_FORMATS: every matrix quantized into that format at load (vectors float32).
+    """
+    if quantization != "none":
+        return _load_quantized(Path(path).expanduser(), quantization)
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype} is not supported; use one of {[str(d) for d in _DTYPES]}")
     path = Path(path).expanduser()
@@ -52,14 +64,58 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
         )
     if path.is_dir():
         folder = path
-    elif _is_gguf(path):
+    elif is_gguf_file(path):
         folder = converted_folder(path, dtype)
     else:
         raise ModelLoadError(f"{path} is neither a checkpoint folder nor a GGUF file")
     return _load_folder(folder, dtype)
 
 
-def _is_gguf(path: Path) -> bool:
+def _load_quantized(path: Path, quantization: str) -> Checkpoint:
+    from gguf import GGMLQuantizationType
+
+    if quantization != "gguf" and quantization not in REQUANT_FORMATS:
+        raise ModelLoadError(f"unknown quantization {quantization!r} for loading; use none, gguf or one of "
+                             f"{list(REQUANT_FORMATS)}")
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist; pass a checkpoint folder, a .gguf file or a registered name")
+    requant = None if quantization == "gguf" else GGMLQuantizationType[quantization.upper()]
+    if path.is_dir():
+        if requant is None:
+            raise ModelLoadError(f"quantization='gguf' keeps a GGUF file's formats, but {path} is a checkpoint "
+                                 "folder; use none, int8 or one of " + ", ".join(REQUANT_FORMATS))
+        ckpt = _load_folder(path, torch.float32)
+        ckpt.weights = {n: gguf_loader.requantize(w, requant) if w.ndim == 2 else w for n, w in ckpt.weights.items()}
+        return ckpt
+    if not is_gguf_file(path):
+        raise ModelLoadError(f"{path} is neither a checkpoint folder nor a GGUF file")
+    config, weights = gguf_loader.read_gguf_native(path.resolve(), requant)
+    check_weights(config, weights, path)
+    return Checkpoint(config=config, weights=weights, tokenizer_dir=tokenizer_folder(path), folder=path)
+
+
+def tokenizer_folder(gguf_path: Path) -> Path:
+    """A cache folder holding only the tokenizer built from `gguf_path`'s metadata (a native load needs
+    no converted weights); built once, keyed like `converted_folder`."""
+    source = gguf_path.resolve()
+    identity = _identity(source)
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    final = cache_root() / "tokenizers" / f"{source.stem}-{key}"
+    if _is_complete(final, identity):
+        return final
+    return _publish(final, identity, lambda tmp: gguf_loader.save_tokenizer(source, tmp))
+
+
+def _identity(source: Path) -> dict:
+    st = source.stat()
+    return {"source": str(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": CONVERSION_VERSION}
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A file named .gguf or starting with GGUF's magic (False for folders)."""
+    path = Path(path)
+    if path.is_dir():
+        return False
     if path.suffix.lower() == ".gguf":
         return True
     try:
@@ -186,23 +242,31 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
     folder is complete.
     """
     source = gguf_path.resolve()
-    st = source.stat()
-    identity = {"source": str(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": CONVERSION_VERSION}
+    identity = _identity(source)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_root() / "converted" / f"{source.stem}-{key}-{str(dtype).removeprefix('torch.')}"
     if _is_complete(final, identity):
         return final
+
+    def convert(tmp: Path) -> None:
+        logger.info("converting %s to %s (one time; later loads read the cache)", source, final)
+        config, weights = gguf_loader.read_gguf(source, dtype)
+        check_weights(config, weights, source)
+        _write_hf_folder(tmp, config, weights, dtype)
+        gguf_loader.save_tokenizer(source, tmp)
+
+    return _publish(final, identity, convert)
+
+
+def _publish(final: Path, identity: dict, fill) -> Path:
+    """Fill a temp folder with `fill(tmp)`, mark it complete and rename it to `final`."""
     if final.exists():  # no valid marker: someone tampered with it; never reuse it
         _remove(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        logger.info("converting %s to %s (one time; later loads read the cache)", source, final)
-        config, weights = gguf_loader.read_gguf(source, dtype)
-        check_weights(config, weights, source)
-        _write_hf_folder(tmp, config, weights, dtype)
-        gguf_loader.save_tokenizer(source, tmp)
+        fill(tmp)
         (tmp / _MARKER).write_text(json.dumps(identity, indent=1))
         try:
             os.rename(tmp, final)

@@ -80,8 +80,12 @@ class ModelCache:
             self._variants.setdefault(n.rpartition("@")[0] if "@" in n else n, set()).add(n)
         self._models: dict[str, object] = {}
 
-    def __call__(self, name: str):
+    def __call__(self, name: str, quantization: str | None = None):
+        """The model `name`; `quantization` (a draft's `[quant=...]`) overrides the engine-wide mode."""
         from specfleet.llm import load_model
+        from specfleet.runtime.quant import parse_quantization
+
+        quant = self.quantization if quantization is None else parse_quantization(quantization)
 
         base, _, depth = name.rpartition("@") if "@" in name else (name, "", "")
         if len(self._variants.get(base, {name})) == 1:
@@ -90,10 +94,10 @@ class ModelCache:
             key = base
             if depth and not depth.isdigit():
                 raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {depth!r}")
-        if key not in self._models:
-            self._models[key] = load_model(key, self.dtype, self.device, with_tokenizer=False,
-                                           quantization=self.quantization)[0]
-        model = self._models[key]
+        if (key, quant) not in self._models:
+            self._models[key, quant] = load_model(key, self.dtype, self.device, with_tokenizer=False,
+                                                  quantization=quant)[0]
+        model = self._models[key, quant]
         return layer_cut(model, int(depth)) if key != name else model
 
 
@@ -145,8 +149,12 @@ class _Builder:
         spec = self.spec
         cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes,
                                spec.draft_kv_cache_bytes)
-        cfg = apply_options(cfg, node.options, f"draft model {node.name!r}", MODEL_ALIASES)
-        return DraftModelProposer(self.load_model(node.name), label, cfg, self.vocab, self.device)
+        # `quant` picks the draft's weight format (runtime/quant.py): it changes acceptance, never the output
+        options = {k: v for k, v in node.options.items() if k != "quant"}
+        cfg = apply_options(cfg, options, f"draft model {node.name!r}", MODEL_ALIASES)
+        quant = node.options.get("quant")
+        model = self.load_model(node.name) if quant is None else self.load_model(node.name, quantization=quant)
+        return DraftModelProposer(model, label, cfg, self.vocab, self.device)
 
     def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
         key = (cfg.order, cfg.min_count, cfg.path)  # one set of tables per distinct setting, shared
