@@ -4,7 +4,7 @@ Grammar (whitespace is ignored; names are letters, digits and `_ . @ / ~ : -`):
 
     spec     := expr
     expr     := primary ('+' stage)*
-    primary  := NAME [options] | ('vote' | 'select') [options] '(' expr (',' expr)* ')'
+    primary  := NAME [options] | ('vote' | 'select' | 'fleet') [options] '(' expr (',' expr)* ')'
     stage    := 'adaptive' [options]         adaptive speculation length around everything before it
               | 'ngram' [options]            the n-gram model speeds up the draft model before it (staged)
     options  := '[' key '=' value (',' key '=' value)* ']'
@@ -27,6 +27,8 @@ Examples:
     suffix[k=8,nodes=12,min_match=3,global=false]   suffix drafting, 8 deep, 12 nodes, own context only
     select[policy=epsilon-greedy](qwen-0.5b,prompt-lookup)
     select(vote(qwen-0.5b,qwen-0.5b@18,prompt-lookup),qwen-0.5b,prompt-lookup)+adaptive[max_length=6]
+    fleet(qwen-0.5b,suffix,prompt-lookup,ngram)   per step, the draft of best expected tokens per measured
+                                       cost, or none (spec/fleet.py; options set FleetConfig)
 
 Sharing: a model is loaded once however often it is named (the factory also derives `MODEL@N` from
 an already loaded MODEL), and equal leaves outside a vote are one proposer (one KV cache), so a
@@ -43,14 +45,14 @@ from specfleet.errors import InvalidRequestError
 from specfleet.spec.proposer import Proposer
 
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.@/~:-")
-CALLS = ("vote", "select")
+CALLS = ("vote", "select", "fleet")
 STAGES = ("adaptive", "ngram")
 MODEL_ALIASES = {"k": "num_speculative_tokens", "width": "top_children", "nodes": "max_nodes"}
 
 
 @dataclass
 class Node:
-    kind: str  # "leaf", "vote", "select", "adaptive" or "staged"
+    kind: str  # "leaf", "vote", "select", "fleet", "adaptive" or "staged"
     name: str  # the leaf's name, or the keyword
     options: dict[str, str] = field(default_factory=dict)
     children: list["Node"] = field(default_factory=list)
@@ -210,6 +212,8 @@ def describe(proposer) -> dict:
         if hasattr(p, "estimates"):
             info["arm_goodput"] = {a.name: round(p.estimates.arm_mean(j), 2) for j, a in enumerate(p.arms)}
             info["assigned"] = {a.name: sum(1 for v in p.assignment.values() if v == j) for j, a in enumerate(p.arms)}
+        if hasattr(p, "fleet_report"):
+            info["fleet"] = p.fleet_report()
         if hasattr(p, "overhead_s"):
             info["overhead_s"] = {k: round(v, 6) for k, v in p.overhead_s.items()}
         if info:

@@ -14,6 +14,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.spec import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
 from specfleet.spec.compose import MODEL_ALIASES, LoadModel, Node, apply_options, leaf_names, leaves, parse
 from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.spec.fleet import FleetConfig, FleetProposer
 from specfleet.spec.length import LengthConfig, LengthController
 from specfleet.spec.ngram_model import NgramConfig, NgramModel, NgramProposer
 from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
@@ -193,6 +194,10 @@ class _Builder:
     def _select(self, node: Node) -> Proposer:
         arms = [self.build(c) for c in node.children]
         return SelectorProposer(arms, apply_options(self.spec.selector, node.options, "select"), name=str(node))
+
+    def _fleet(self, node: Node) -> Proposer:
+        members = [self.build(c) for c in node.children]
+        return FleetProposer(members, apply_options(FleetConfig(), node.options, "fleet"), name=str(node))
 
     def _adaptive(self, node: Node) -> Proposer:
         inner = self.build(node.children[0])

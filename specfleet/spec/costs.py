@@ -1,0 +1,259 @@
+"""Online estimates of what speculation costs and gains, for the fleet's per-step decisions.
+
+Three estimators, all fed from timings and outcomes the fleet observes itself:
+
+- `StepCosts`: T(B, N), the wall time of one engine step (target forward, verification, commit,
+  bookkeeping) with B requests decoding and N draft nodes verified in total. Per batch size it keeps a
+  running mean per N, made non-decreasing in N (pool-adjacent-violators) and interpolated between the
+  N it has seen; beyond them it extends with the steeper of the last segment's slope and the slope of
+  a least-squares fit T = a + b*B + g*N over recent steps (which also answers for an unseen B). With
+  no timing at all it answers in *step units*: T = B + prior_node_cost * N. A request's share of a
+  plain step is T(B, 0) / B; the cost of verifying n more nodes is T(B, N + n) - T(B, N). In units of
+  one plain decode step, c(n) = T(1, n) / T(1, 0).
+- `DraftCost`: one draft's time per request per call, fitted as a + b*k + g*gap (k tokens asked for,
+  gap = committed tokens its cache had to catch up on), and its d = seconds per drafted node.
+- `Acceptance`: for one draft, P(a node is accepted | its parent was) per (context, depth, sibling
+  rank), a Beta posterior with forgetting; a context cell with few observations is shrunk towards
+  the pooled (depth, rank) estimate. The probability that a node lies on the accepted path is the
+  product along its path, and E[tokens of a step] = 1 + the sum of those over the verified nodes
+  (the target always adds one token), so for a fixed node count the best subtree is the nodes of
+  highest path probability (closed under ancestors, since a child's never exceeds its parent's).
+
+Worked example (chain, context 0, depths 1..3 with conditional acceptance .9, .8, .5): path
+probabilities .9, .72, .36, so E[tokens] at 0..3 nodes is 1, 1.9, 2.62, 2.98; with T(1, n) = 10 +
+2n ms the rates are .100, .158, .187, .186 tokens/ms: verify 2 nodes.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from specfleet.spec.tree import DraftTree
+
+
+class LinearFit:
+    """Least squares y ~ x . theta over the last `window` observations (minimum-norm when a feature
+    never varied, so predictions along the observed data stay right)."""
+
+    def __init__(self, window: int = 256):
+        self.rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._theta: np.ndarray | None = None
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        self.rows.append((tuple(float(v) for v in x), float(y)))
+        self._theta = None
+
+    @property
+    def theta(self) -> np.ndarray | None:
+        if self._theta is None and self.rows:
+            xs = np.array([x for x, _ in self.rows])
+            ys = np.array([y for _, y in self.rows])
+            self._theta = np.linalg.lstsq(xs, ys, rcond=None)[0]
+        return self._theta
+
+    def predict(self, x: tuple[float, ...]) -> float | None:
+        theta = self.theta
+        return None if theta is None else float(np.dot(theta, x))
+
+    def varied(self, feature: int) -> bool:
+        """Whether `feature` took at least two values among the kept observations."""
+        return len({x[feature] for x, _ in self.rows}) > 1
+
+
+def pool_adjacent_violators(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks[-1]
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [b[0] for b in blocks for _ in range(b[2])]
+
+
+class StepCosts:
+    def __init__(self, window: int = 256, cell_memory: int = 32, prior_node_cost: float = 0.1):
+        self.fit = LinearFit(window)
+        self.cell_memory = cell_memory  # a cell's mean follows roughly its last this many steps
+        self.prior_node_cost = prior_node_cost
+        self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
+        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self.num_observations = 0
+
+    @property
+    def measured(self) -> bool:
+        return self.num_observations > 0
+
+    def add(self, batch: int, nodes: int, seconds: float) -> None:
+        cell = self.cells.setdefault(batch, {}).setdefault(nodes, [0.0, 0])
+        cell[1] += 1
+        cell[0] += (seconds - cell[0]) / min(cell[1], self.cell_memory)
+        self.fit.add((1.0, batch, nodes), seconds)
+        self._curves.pop(batch, None)
+        self.num_observations += 1
+
+    def _curve(self, batch: int) -> tuple[list[int], list[float]]:
+        if batch not in self._curves:
+            cells = sorted(self.cells[batch].items())
+            xs = [n for n, _ in cells]
+            self._curves[batch] = (xs, pool_adjacent_violators([c[0] for _, c in cells], [c[1] for _, c in cells]))
+        return self._curves[batch]
+
+    def _fit_slope(self) -> float | None:
+        theta = self.fit.theta
+        return max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None
+
+    def step_time(self, batch: int, nodes: int) -> float:
+        """Estimated seconds of a step (step units while nothing has been measured)."""
+        if not self.measured:
+            return batch + self.prior_node_cost * nodes
+        if batch not in self.cells:
+            pred = self.fit.predict((1.0, batch, nodes))
+            base = self.fit.predict((1.0, batch, 0))
+            if pred is None or base is None or base <= 0:  # extrapolating to a batch never seen: scale
+                near = min(self.cells, key=lambda b: abs(b - batch))
+                return self.step_time(near, nodes) * batch / near
+            return max(pred, base)
+        xs, ys = self._curve(batch)
+        fitted = self._fit_slope()
+        if nodes <= xs[0]:
+            slope = fitted if fitted is not None else self.prior_node_cost * ys[0] / batch
+            return max(ys[0] - slope * (xs[0] - nodes), 0.5 * ys[0])
+        if nodes >= xs[-1]:
+            local = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            slope = max(local, fitted if fitted is not None else self.prior_node_cost * ys[0] / batch)
+            return ys[-1] + slope * (nodes - xs[-1])
+        i = next(i for i, x in enumerate(xs) if x >= nodes)
+        if xs[i] == nodes:
+            return ys[i]
+        f = (nodes - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+
+    def share(self, batch: int) -> float:
+        """One request's share of a plain step at this batch size."""
+        return self.step_time(batch, 0) / batch
+
+    def marginal(self, batch: int, planned: int, nodes: int) -> float:
+        """Extra time of verifying `nodes` more when `planned` nodes are already in the step."""
+        if nodes <= 0:
+            return 0.0
+        return max(self.step_time(batch, planned + nodes) - self.step_time(batch, planned), 0.0)
+
+    def c(self, max_nodes: int, batch: int = 1) -> list[float]:
+        """[c(0), ..., c(max_nodes)] in plain steps at `batch` (one request's tree, the rest plain)."""
+        base = self.step_time(batch, 0)
+        return [self.step_time(batch, n) / base for n in range(max_nodes + 1)]
+
+
+class DraftCost:
+    """One draft's measured cost per request and call."""
+
+    def __init__(self, window: int = 128):
+        self.fit = LinearFit(window)
+        self.seconds = 0.0
+        self.nodes = 0
+        self.calls = 0
+        self.requests = 0
+
+    def add(self, seconds: float, num_requests: int, k: int, gap: float, nodes: int) -> None:
+        self.seconds += seconds
+        self.nodes += nodes
+        self.calls += 1
+        self.requests += num_requests
+        self.fit.add((1.0, k, gap), seconds / max(num_requests, 1))
+
+    @property
+    def measured(self) -> bool:
+        return self.calls > 0
+
+    @property
+    def d(self) -> float:
+        """Seconds per drafted node (0 before any node was drafted)."""
+        return self.seconds / self.nodes if self.nodes else 0.0
+
+    def per_request(self, k: int, gap: float) -> float:
+        """Expected seconds of drafting `k` tokens for one request `gap` tokens behind (0 if unmeasured)."""
+        if not self.measured:
+            return 0.0
+        mean = self.seconds / self.requests
+        pred = self.fit.predict((1.0, k, gap))
+        if pred is None or not (self.fit.varied(1) or self.fit.varied(2)):
+            return mean
+        return max(pred, 0.1 * mean)
+
+
+class Acceptance:
+    def __init__(self, prior: tuple[float, float] = (1.0, 1.0), shrink: float = 2.0, decay: float = 0.99,
+                 max_depth: int = 16, max_rank: int = 4, num_contexts: int = 5):
+        self.prior, self.shrink, self.decay = prior, shrink, decay
+        self.max_depth, self.max_rank, self.num_contexts = max_depth, max_rank, num_contexts
+        shape = (num_contexts, max_depth, max_rank, 2)  # [..., 0] = accepted (decayed), [..., 1] = tried
+        self.counts = np.zeros(shape)
+        self.pooled = np.zeros(shape[1:])
+
+    def _cell(self, ctx: int, depth: int, rank: int) -> tuple[int, int, int]:
+        return min(ctx, self.num_contexts - 1), min(depth, self.max_depth) - 1, min(rank, self.max_rank - 1)
+
+    def add(self, ctx: int, depth: int, rank: int, accepted: bool) -> None:
+        c, d, r = self._cell(ctx, depth, rank)
+        for table in (self.counts[c, d, r], self.pooled[d, r]):
+            table *= self.decay
+            table += (float(accepted), 1.0)
+
+    def p(self, ctx: int, depth: int, rank: int) -> float:
+        c, d, r = self._cell(ctx, depth, rank)
+        a0, b0 = self.prior
+        s, n = self.pooled[d, r]
+        pooled = (s + a0) / (n + a0 + b0)
+        s, n = self.counts[c, d, r]
+        return (s + self.shrink * pooled) / (n + self.shrink)
+
+    def path_probs(self, tree: DraftTree, ctx: int) -> list[float]:
+        """P(node is on the accepted path) for every node of `tree`."""
+        out: list[float] = []
+        depths = tree.depths()
+        for j, (parent, rank) in enumerate(zip(tree.parents, sibling_ranks(tree))):
+            out.append((out[parent] if parent >= 0 else 1.0) * self.p(ctx, depths[j], rank))
+        return out
+
+    def by_position(self, ctx: int | None = None, depth: int = 8) -> list[float]:
+        """Conditional acceptance of the first child per depth (pooled over contexts unless `ctx`)."""
+        if ctx is None:
+            a0, b0 = self.prior
+            return [float((self.pooled[d, 0, 0] + a0) / (self.pooled[d, 0, 1] + a0 + b0))
+                    for d in range(min(depth, self.max_depth))]
+        return [self.p(ctx, d, 0) for d in range(1, depth + 1)]
+
+
+def sibling_ranks(tree: DraftTree) -> list[int]:
+    """Each node's index among its parent's children (0 = the first child)."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for p in tree.parents:
+        ranks.append(seen.get(p, 0))
+        seen[p] = ranks[-1] + 1
+    return ranks
+
+
+def outcomes(tree: DraftTree, accepted: set[int], observed_depth: int) -> list[tuple[int, int, bool]]:
+    """(depth, rank, accepted) of every node whose parent was reached, down to `observed_depth`."""
+    depths = tree.depths()
+    out = []
+    for j, (parent, rank) in enumerate(zip(tree.parents, sibling_ranks(tree))):
+        if depths[j] <= observed_depth and (parent < 0 or parent in accepted):
+            out.append((depths[j], rank, j in accepted))
+    return out
+
+
+def matched_nodes(tree: DraftTree, new_tokens: list[int]) -> set[int]:
+    """Nodes whose path spells a prefix of `new_tokens`: for point-mass drafts, exactly the nodes
+    verification accepts (the token emitted at a row is the accepted child's, if there is one)."""
+    depths = tree.depths()
+    hit: set[int] = set()
+    for j, (parent, tok) in enumerate(zip(tree.parents, tree.token_ids)):
+        d = depths[j]
+        if d <= len(new_tokens) and new_tokens[d - 1] == tok and (parent < 0 or parent in hit):
+            hit.add(j)
+    return hit

@@ -1,0 +1,381 @@
+"""A fleet of drafts that decides per step and per request from measured costs.
+
+Speed-up = E[tokens per step] / (c(k) + k*d): weightless drafts (prompt lookup, n-gram, suffix) cost
+d ~ 0, a draft model d ~ 0.3-0.5 plain steps per token, and c(k) (verifying k nodes) grows fast on a
+CPU. So the fleet, every step, for every request:
+
+1. asks its cheap members (those without weights) for trees; each tree's nodes get the probability
+   of lying on the accepted path from that draft's acceptance history (costs.Acceptance, per depth,
+   sibling rank and a per-request context: how deep the draft's previous proposal for this request
+   matched), so E[tokens] = 1 + the sum over the verified nodes; each tree is trimmed to the node
+   count of best rate E / (plain share + drafting already spent + the marginal verification cost of
+   those nodes at this batch, given what the requests before it plan to verify: costs.StepCosts).
+   With `merge`, the union of the point-mass trees (a Minions-style vote that keeps every branch) is
+   one more candidate: a node's conditional acceptance is the best of its sources', a node's
+   children's summing to at most 1;
+2. predicts what each expensive member (a draft model, or any member with weights) would give: its
+   chain's expected tokens by depth, at the depth k of best rate, its drafting time fitted from its
+   own calls (costs.DraftCost) included. It is called, for the requests where that rate beats both the
+   best cheap rate and plain decoding, with the largest k they want; then its trees compete with the
+   cheap ones (its drafting time is spent by then);
+3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
+   plain share (times `margin`).
+
+Learning: after the step, every point-mass candidate (chosen or not) is scored against the tokens the
+step committed: with point masses, a node is accepted exactly when the committed token at its depth
+spells its path, so unchosen drafts keep learning (and greedy and sampled requests alike). A tree with
+draft distributions (a sampled model chain) learns only from its own verification. Every
+`explore_every` steps each expensive member is called for every request at its full depth and the
+cheap trees go untrimmed, so its acceptance and the cost of longer trees are re-measured.
+
+Step cost: the wall time from the end of one `propose` to the start of the next is the step the
+target just ran (forward, verification, commit, bookkeeping) for the planned batch and node count; a
+step whose requests changed (a prefill ran) or advanced more than one step (a controller skipped the
+fleet) is not used. Costs therefore describe the requests this fleet drafts for: use it at the top of
+a spec, alone or under +adaptive, rather than as one arm of select(...).
+
+Lossless: every choice (candidate, trimming, calling a model) depends on history and on the shapes
+of the trees, never on this step's sampled draft tokens or the target's outputs, so a sampled chain
+stays a draw from its draft distributions; merged trees are point masses only.
+
++adaptive around a fleet still works (its length caps the depth of every member; 0 turns speculation
+off), but the fleet already chooses depth per step from costs, so the cap only adds a slower second
+loop; the recommended form is the fleet alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specfleet.errors import InvalidRequestError
+from specfleet.spec.compose import model_size
+from specfleet.spec.costs import Acceptance, DraftCost, StepCosts, matched_nodes, outcomes
+from specfleet.spec.length import prune_depth, set_speculation_length
+from specfleet.spec.proposer import Feedback, Proposer
+from specfleet.spec.tree import DraftTree
+
+MERGED = -1  # the member index of a merged tree
+CONTEXT_CAP = 3  # contexts: 0 = no history, 1 + min(depth its last proposal matched, 3)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    margin: float = 1.0  # speculate only when the best rate beats plain decoding's by this factor
+    merge: bool = True  # also consider the union of the point-mass trees
+    explore_every: int = 32  # steps between forced calls of each expensive member (0 = never)
+    prior_node_cost: float = 0.1  # before any step is timed: a verified node costs this much of a step
+    decay: float = 0.99  # forgetting of acceptance counts per observation of a cell
+    shrink: float = 2.0  # pseudo-observations pulling a context's estimate to the pooled one
+    window: int = 256  # timed steps kept for the linear fits
+
+    def validate(self) -> None:
+        if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4:
+            raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4")
+        if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
+            raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
+
+
+@dataclass
+class Option:
+    member: int
+    tree: DraftTree  # trimmed to what is verified
+    expected: float  # tokens
+    cost: float  # seconds of the request's step (plain share + drafting + marginal verification)
+
+    @property
+    def rate(self) -> float:
+        return self.expected / max(self.cost, 1e-12)
+
+
+@dataclass
+class _Pending:
+    n0: int  # the request's tokens when drafted
+    ctx: list[int]  # each member's context when drafted
+    candidates: list[tuple[int, DraftTree]] = field(default_factory=list)
+    verified: Option | None = None
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (sorted, closed under ancestors) re-indexed into a tree."""
+    if len(keep) == len(tree):
+        return tree
+    index = {old: new for new, old in enumerate(keep)}
+    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
+    return DraftTree([tree.token_ids[j] for j in keep], [index[tree.parents[j]] if tree.parents[j] >= 0 else -1
+                                                        for j in keep], [tree.origins[j] for j in keep], probs)
+
+
+def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], float, float]:
+    """(nodes, E[tokens], cost) of the ancestor-closed node set of best E / cost, where verifying m
+    nodes costs fixed + extra(m); the empty set (plain decoding) included."""
+    order = sorted(range(len(probs)), key=lambda j: (-probs[j], j))
+    best, e = (0, 1.0, fixed), 1.0
+    for m, j in enumerate(order, 1):
+        e += probs[j]
+        cost = fixed + extra(m)
+        if e * best[2] > best[1] * cost:
+            best = (m, e, cost)
+    return sorted(order[:best[0]]), best[1], best[2]
+
+
+def merge_trees(trees: list[DraftTree], probs: list[list[float]]) -> tuple[DraftTree, list[float]]:
+    """The prefix-tree union of point-mass trees and its nodes' path probabilities (see the module doc)."""
+    tokens, parents, origins, cond = [], [], [], []
+    index: dict[tuple[int, int], int] = {}
+    for tree, p in zip(trees, probs):
+        mine: list[int] = []
+        for j, (par, tok) in enumerate(zip(tree.parents, tree.token_ids)):
+            mp = mine[par] if par >= 0 else -1
+            a = p[j] / p[par] if par >= 0 and p[par] > 0 else (p[j] if par < 0 else 0.0)
+            node = index.get((mp, tok))
+            if node is None:
+                node = index[(mp, tok)] = len(tokens)
+                tokens.append(tok), parents.append(mp), origins.append(tree.origins[j]), cond.append(a)
+            else:
+                cond[node] = max(cond[node], a)
+            mine.append(node)
+    sums: dict[int, float] = {}
+    for par, a in zip(parents, cond):
+        sums[par] = sums.get(par, 0.0) + a
+    path: list[float] = []
+    for j, par in enumerate(parents):
+        a = cond[j] / max(sums[par], 1.0)
+        path.append((path[par] if par >= 0 else 1.0) * a)
+    return DraftTree(tokens, parents, origins), path
+
+
+class FleetProposer:
+    def __init__(self, members: list[Proposer], config: FleetConfig | None = None, name: str | None = None,
+                 clock=time.perf_counter):
+        names = [m.name for m in members]
+        if not members:
+            raise InvalidRequestError("fleet(...) needs at least one draft")
+        if len(set(names)) != len(names):
+            raise InvalidRequestError(f"fleet(...) lists a draft twice: {names}")
+        self.config = config or FleetConfig()
+        self.config.validate()
+        self.children = self.members = list(members)
+        self.name = name or f"fleet({','.join(names)})"
+        self.clock = clock
+        self.cheap = [j for j, m in enumerate(members) if model_size(m) == 0]
+        self.expensive = [j for j in range(len(members)) if j not in self.cheap]
+        self.max_k = [getattr(getattr(m, "config", None), "num_speculative_tokens", 4) for m in members]
+        cfg = self.config
+        self.acceptance = [Acceptance(shrink=cfg.shrink, decay=cfg.decay, num_contexts=CONTEXT_CAP + 2)
+                           for _ in members]
+        self.draft_costs = [DraftCost(cfg.window) for _ in members]
+        self.steps = StepCosts(cfg.window, prior_node_cost=cfg.prior_node_cost)
+        self.cap: int | None = None  # a depth cap set from outside (+adaptive)
+        self._ctx: dict[str, list[int]] = {}  # request id -> context per member
+        self._seen: dict[tuple[str, int], int] = {}  # (request, expensive member) -> tokens when it drafted
+        self._since_called = {j: cfg.explore_every for j in self.expensive}
+        self._pending: dict[str, _Pending] = {}
+        self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
+        self._dropped: set[str] = set()
+        self._last_batch = 1
+        self.num_steps = 0
+        self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
+        self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
+        self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
+        self.overhead_s = {"decide": 0.0, "learn": 0.0}
+
+    # -- protocol --------------------------------------------------------------------------------
+    def propose(self, requests: list) -> dict[str, DraftTree]:
+        t0 = time.perf_counter()
+        self._time_step(requests, self.clock())
+        for rid in self._dropped:
+            self._pending.pop(rid, None)
+        self._dropped.clear()
+        for r in requests:  # requests that verified nothing learn from the token the target gave them
+            pend = self._pending.pop(r.request_id, None)
+            if pend is not None:
+                self._learn(r.request_id, pend, r.all_token_ids, None)
+        self.overhead_s["learn"] += time.perf_counter() - t0
+        self.num_steps += 1
+        self.num_request_steps += len(requests)
+        batch = self._last_batch = len(requests)
+        explore = {j for j in self.expensive
+                   if self.config.explore_every and self._since_called[j] >= self.config.explore_every}
+        cands: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in requests}
+        spent = {r.request_id: 0.0 for r in requests}
+        for j in self.cheap:
+            self._call(j, requests, None, cands, spent)
+        t1 = time.perf_counter()
+        share, planned, groups = self.steps.share(batch), 0, {j: [] for j in self.expensive}
+        for r in requests:  # first pass: which requests an expensive draft would serve better
+            rid = r.request_id
+            best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=bool(explore))
+            for j in self.expensive:
+                k, rate = self._expected_chain(r, j, share + spent[rid], planned)
+                if j in explore or (rate > best.rate and rate > self.config.margin / (share + spent[rid])):
+                    groups[j].append((r, k))
+            planned += len(best.tree)
+        self.overhead_s["decide"] += time.perf_counter() - t1
+        for j, group in groups.items():
+            if group:
+                k = self.max_k[j] if j in explore else max(k for _, k in group)
+                self._call(j, [r for r, _ in group], k, cands, spent)
+            self._since_called[j] = 0 if group else self._since_called[j] + 1
+        t2 = time.perf_counter()
+        out, planned, per = {}, 0, {}
+        for r in requests:  # final pass: the best of everything drafted, or plain decoding
+            rid = r.request_id
+            best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=bool(explore))
+            pend = self._pending[rid] = _Pending(r.num_tokens, list(self._context(rid)), cands[rid])
+            if len(best.tree) and best.rate > self.config.margin / (share + spent[rid]):
+                out[rid] = best.tree
+                pend.verified = best
+                planned += len(best.tree)
+            name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
+            self.chosen[name] += 1
+            per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        self._plan = (self.clock(), batch, planned, per)
+        self.overhead_s["decide"] += time.perf_counter() - t2
+        return out
+
+    def observe(self, feedback: list[Feedback]) -> None:
+        t0 = time.perf_counter()
+        for fb in feedback:
+            pend = self._pending.pop(fb.request_id, None)
+            if pend is not None:
+                self._learn(fb.request_id, pend, fb.committed_token_ids, fb)
+            accepted = set(fb.accepted_nodes)
+            for j, origin in enumerate(fb.tree.origins):
+                if origin in self._stats:
+                    self._stats[origin]["drafted"] += 1
+                    self._stats[origin]["accepted"] += j in accepted
+        self.overhead_s["learn"] += time.perf_counter() - t0
+
+    def release(self, request_id: str) -> None:
+        self._dropped.add(request_id)  # its last feedback may still arrive in this step's observe
+        self._ctx.pop(request_id, None)
+        for j in self.expensive:
+            self._seen.pop((request_id, j), None)
+        for m in self.members:
+            m.release(request_id)
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        self.cap = n
+
+    # -- deciding --------------------------------------------------------------------------------
+    def _context(self, rid: str) -> list[int]:
+        return self._ctx.setdefault(rid, [0] * len(self.members))
+
+    def _call(self, j: int, requests: list, k: int | None, cands: dict, spent: dict) -> None:
+        """Draft with member j (at depth k, if given), timing it; its trees join the candidates."""
+        member = self.members[j]
+        if k is not None:
+            set_speculation_length(member, k)
+        gap = sum(r.num_tokens - self._seen.get((r.request_id, j), 0) for r in requests) / len(requests)
+        t0 = self.clock()
+        trees = member.propose(requests)
+        dt = self.clock() - t0
+        nodes = sum(len(t) for t in trees.values())
+        self.draft_costs[j].add(dt, len(requests), k or self.max_k[j], gap if k is not None else 0.0, nodes)
+        for r in requests:
+            spent[r.request_id] += dt / len(requests)
+            if k is not None:
+                self._seen[(r.request_id, j)] = r.num_tokens
+            tree = trees.get(r.request_id)
+            if tree is not None and self.cap is not None:
+                tree = prune_depth(tree, self.cap)
+            if tree is not None and len(tree):
+                cands[r.request_id].append((j, tree))
+
+    def _best(self, r, cands: list, fixed: float, planned: int, untrimmed: bool) -> Option:
+        """The candidate (trimmed) of best rate; an empty Option (plain decoding) when none."""
+        batch = self._last_batch
+        extra = lambda m: self.steps.marginal(batch, planned, m)  # noqa: E731
+        ctx = self._context(r.request_id)
+        scored = [(j, t, self.acceptance[j].path_probs(t, ctx[j])) for j, t in cands]
+        point = [(t, p) for _, t, p in scored if t.draft_probs is None]
+        if self.config.merge and len(point) > 1:
+            scored.append((MERGED, *merge_trees([t for t, _ in point], [p for _, p in point])))
+        best = Option(MERGED, DraftTree(), 1.0, fixed)
+        for j, tree, probs in scored:
+            if untrimmed:
+                keep, e = list(range(len(tree))), 1.0 + sum(probs)
+                cost = fixed + extra(len(tree))
+            else:
+                keep, e, cost = best_subtree(probs, fixed, extra)
+            opt = Option(j, subtree(tree, keep), e, cost)
+            if len(opt.tree) and (not len(best.tree) or opt.rate > best.rate):
+                best = opt
+        return best
+
+    def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float]:
+        """(depth, rate) of the best chain member j is expected to draft for `r`."""
+        acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
+        gap = r.num_tokens - self._seen.get((r.request_id, j), 0)
+        kmax = min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
+        best_k, best_rate, e, path = 1, 0.0, 1.0, 1.0
+        for k in range(1, max(kmax, 1) + 1):
+            path *= acc.p(ctx, k, 0)
+            e += path
+            draft = self.draft_costs[j].per_request(k, gap) if self.steps.measured else 0.0
+            rate = e / (fixed + draft + self.steps.marginal(self._last_batch, planned, k))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    # -- learning --------------------------------------------------------------------------------
+    def _time_step(self, requests: list, now: float) -> None:
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        end, batch, nodes, per = plan
+        for r in requests:
+            entry = per.get(r.request_id)
+            if entry is None or not 1 <= r.num_tokens - entry[0] <= entry[1] + 1:
+                return  # a prefill joined this step, or more than one step passed
+        elapsed = now - end
+        if elapsed > 0 and not (self.steps.measured and elapsed > 10 * self.steps.step_time(batch, nodes)):
+            self.steps.add(batch, nodes, elapsed)
+
+    def _learn(self, rid: str, pend: _Pending, tokens: list[int], fb: Feedback | None) -> None:
+        new = tokens[pend.n0:]
+        ctx = self._ctx.get(rid)  # None once released: its history is no longer needed
+        for j, tree in pend.candidates:
+            if tree.draft_probs is None:
+                accepted, depth = matched_nodes(tree, new), len(new)
+            elif fb is not None and pend.verified is not None and pend.verified.member == j:
+                accepted, depth = set(fb.accepted_nodes), min(fb.num_emitted, len(fb.tree))
+            else:
+                continue  # a sampled chain that was not verified: no unbiased outcome
+            if depth < 1:
+                continue
+            for d, rank, ok in outcomes(tree, accepted, depth):
+                self.acceptance[j].add(pend.ctx[j], d, rank, ok)
+            if ctx is not None:
+                ctx[j] = 1 + min(max((tree.depths()[a] for a in accepted), default=0), CONTEXT_CAP)
+
+    # -- reporting -------------------------------------------------------------------------------
+    @property
+    def draft_stats(self) -> dict[str, dict]:
+        """Member name -> drafted / accepted tokens it sent, and its share of the requests' steps."""
+        steps = max(self.num_request_steps, 1)
+        return {m.name: {**self._stats[m.name], "steps": self.chosen[m.name],
+                         "share": round(self.chosen[m.name] / steps, 4)} for m in self.members}
+
+    def fleet_report(self, max_nodes: int = 8) -> dict:
+        """What the fleet did and measured: shares of the requests' steps (members, merged, plain),
+        each member's d in plain steps (a request's share at the last batch size) and in seconds per
+        drafted token, the fitted c(0..max_nodes) at the last batch size, and each member's
+        conditional acceptance by position (first child per depth, pooled over contexts)."""
+        steps = max(self.num_request_steps, 1)
+        batch = self._last_batch
+        unit = self.steps.share(batch) if self.steps.measured else None
+        return {
+            "steps": self.num_steps,
+            "request_steps": self.num_request_steps,
+            "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
+            "d_s": {m.name: self.draft_costs[j].d for j, m in enumerate(self.members)},
+            "d": {m.name: round(self.draft_costs[j].d / unit, 4) if unit else None for j, m in enumerate(self.members)},
+            "calls": {m.name: self.draft_costs[j].calls for j, m in enumerate(self.members)},
+            "c": [round(x, 4) for x in self.steps.c(max_nodes, batch)] if self.steps.measured else None,
+            "c_batch": batch,
+            "step_s": self.steps.step_time(batch, 0) if self.steps.measured else None,
+            "timed_steps": self.steps.num_observations,
+            "acceptance_by_position": {m.name: [round(x, 3) for x in self.acceptance[j].by_position()]
+                                       for j, m in enumerate(self.members)},
+        }
