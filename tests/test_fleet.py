@@ -14,6 +14,9 @@ from specfleet.spec.costs import Acceptance, DraftCost, StepCosts, matched_nodes
 from specfleet.spec.fleet import FleetConfig, FleetProposer, best_subtree, merge_trees
 from specfleet.spec.proposer import Feedback
 from specfleet.spec.tree import DraftTree
+from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from test_strategies_engine import GREEDY, assert_all_free, build_strategy
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
@@ -278,3 +281,19 @@ def test_fleet_no_leak_under_preemption_aborts_and_sampling(models):
 def test_bad_fleet_specs_are_clear_errors(models, spec, message):
     with pytest.raises(InvalidRequestError, match=message):
         build_strategy(spec, models[1])
+
+
+# -- sampled output follows the target (the chi-square harness of test_distribution.py) -------------
+@pytest.mark.parametrize("setting,seed0", [("t1", 11_000_000), ("t0.7-k3", 12_000_000)])
+def test_fleet_sampled_output_matches_target(setup, setting, seed0):  # noqa: F811
+    hf, target, draft, prompt = setup
+    joint = exact_joint(hf, prompt, SamplingParams(**PARAMS[setting]))
+    # explore_every=1 calls the model every step, so its sampled chains (with draft distributions)
+    # compete with prompt lookup's point masses, and the trimming of both is exercised
+    fleet = FleetProposer([DraftModelProposer(draft, "a", DraftModelConfig(3, kv_cache_bytes=8 << 20)),
+                           PromptLookupProposer(PromptLookupConfig(3))], FleetConfig(explore_every=1))
+    samples, stats = generate(target, fleet, prompt, PARAMS[setting], 1200, seed0)
+    assert fleet.chosen["a"] > 100 and fleet.chosen["prompt-lookup"] > 100, fleet.chosen
+    assert 0.0 < stats.acceptance_rate < 1.0
+    p12, p123 = p_values(samples, joint)
+    assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
