@@ -23,9 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=16, help="node budget of a draft tree")
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 linear layers for target and draft models (faster on CPUs "
-                        "without bf16 matrix units; lossless against the quantized target, not the bf16 one)")
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "gguf", "none", "int8", "q4_0", "q8_0", "q4_k"],
+                   help="weights of target and draft models: auto (default) = gguf for a .gguf model on the CPU, "
+                        "else none; gguf = keep the file's block formats (native kernels, fp32 activations, "
+                        "--dtype unused); none = dense in --dtype; int8 = weight-only int8; q4_0/q8_0/q4_k = "
+                        "requantize at load. Speculation is lossless against the target as loaded")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="memory for the target's KV cache, MiB")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -47,7 +50,7 @@ def build_llm(args):
     return LLM(args.model, draft, dtype=args.dtype, device=args.device, num_speculative_tokens=args.spec_len,
                top_children=args.tree_width, max_nodes=args.tree_nodes, kv_cache_bytes=args.kv_cache_mb << 20,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               quantization=getattr(args, "quantization", None))
+               quantization=getattr(args, "quantization", "auto"))
 
 
 def sampling_from_args(args):

@@ -17,7 +17,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.build import build_model, parse_device, parse_dtype
 from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.quant import parse_quantization, quantize_model
+from specfleet.runtime.quant import BLOCK_FORMATS, parse_quantization, quantize_model, resolve_quantization
 from specfleet.sampling_params import SamplingParams
 from specfleet.spec.factory import SpecConfig, build_proposer
 
@@ -28,8 +28,11 @@ _USE_DEFAULT = object()
 
 def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True,
                quantization: str | None = None):
-    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`
-    (weight-only int8 with `quantization="int8"`, see runtime/quant.py).
+    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`.
+
+    `quantization` (runtime/quant.py): None/"none" dense weights in `dtype`; "auto" keeps a GGUF file's
+    block formats on the CPU ("gguf": fp32 activations, `dtype` unused) and is dense elsewhere; "int8"
+    weight-only int8; "q4_0"/"q8_0"/"q4_k" requantize every matrix at load.
 
     `NAME@N` keeps only the first N transformer layers (a cheap derived draft; the final norm and
     head are kept, so it still speaks the target's vocabulary).
@@ -37,7 +40,7 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with
     from dataclasses import replace
 
     from specfleet.models.registry import resolve_model
-    from specfleet.runtime.loader import load_checkpoint
+    from specfleet.runtime.loader import is_gguf_file, load_checkpoint
 
     num_layers = None
     if "@" in name_or_path:
@@ -45,7 +48,13 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with
         if not n.isdigit() or int(n) < 1:
             raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {n!r}")
         num_layers = int(n)
-    ckpt = load_checkpoint(resolve_model(name_or_path), dtype)
+    path = resolve_model(name_or_path)
+    mode = resolve_quantization(parse_quantization(quantization), is_gguf_file(path), device)
+    if mode in BLOCK_FORMATS:
+        ckpt = load_checkpoint(path, quantization=mode)
+        dtype = torch.float32  # activations of the block-format kernels
+    else:
+        ckpt = load_checkpoint(path, dtype)
     cfg = ckpt.config
     if num_layers is not None:
         if num_layers > cfg.num_layers:
@@ -53,7 +62,9 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with
         cfg = replace(cfg, num_layers=num_layers)
     model = build_model(cfg, ckpt.weights, dtype, device)
     del ckpt.weights
-    quantize_model(model, quantization)
+    if mode in BLOCK_FORMATS:
+        model.quantization = mode
+    quantize_model(model, mode)
     tokenizer = None
     if with_tokenizer:
         from transformers import AutoTokenizer
@@ -67,9 +78,15 @@ class LLM:
                  device: str = "cpu", num_speculative_tokens: int = 4, top_children: int = 1, max_nodes: int = 16,
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 quantization: str | None = None, _model: DecoderLM | None = None, _tokenizer=None):
-        """`quantization="int8"`: weight-only int8 linear layers for the target and every draft model
-        (an opt-in for CPUs without fast bf16 matmuls; lossless against the quantized target)."""
+                 quantization: str | None = "auto", _model: DecoderLM | None = None, _tokenizer=None):
+        """`quantization` applies to the target and every draft model (a draft may override it with
+        `[quant=...]`, see spec/compose.py); speculation is lossless against the target as loaded:
+        - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
+        - "gguf": keep the GGUF file's block formats (Q4_K, Q6_K, ...), native kernels, fp32 activations
+          (`dtype` is unused for such a model: its activations and dense tensors are fp32);
+        - "none": dense weights in `dtype` (a GGUF file is dequantized once into a cache);
+        - "int8": weight-only per-channel int8 (runtime/quant.py);
+        - "q4_0" / "q8_0" / "q4_k": every matrix requantized into that GGUF format at load."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
@@ -77,10 +94,14 @@ class LLM:
             draft = DEFAULT_DRAFT if model == DEFAULT_MODEL else None
         if _model is not None:  # tests and benchmarks hand in a model they built
             self.model, self.tokenizer = _model, _tokenizer
-            if self.quantization and getattr(_model, "quantization", None) != self.quantization:
+            have = getattr(_model, "quantization", None)
+            if self.quantization == "int8" and have != "int8":
                 import copy
 
                 self.model = quantize_model(copy.deepcopy(_model), self.quantization)  # the caller's stays as is
+            elif self.quantization not in ("auto", "int8", have):
+                raise InvalidRequestError(f"quantization {self.quantization!r} is applied when a model is loaded; "
+                                          f"the model handed in is {have or 'dense'}")
         else:
             self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
         self.model_name = model

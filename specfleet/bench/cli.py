@@ -58,9 +58,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16")
     p.add_argument("--device", help="cpu | cuda | auto")
     p.add_argument("--spec-len", type=int, help="draft tokens per step for systems without k=")
-    p.add_argument("--quantization", choices=["none", "int8"],
-                   help="int8: weight-only int8 target and drafts for every specfleet system (transformers "
-                        "systems stay in --dtype)")
+    p.add_argument("--quantization", choices=["auto", "gguf", "none", "int8", "q4_0", "q8_0", "q4_k"],
+                   help="weights of every specfleet system's target and drafts (see `specfleet generate --help`; "
+                        "default auto: a GGUF model runs as the file is on the CPU); transformers systems stay "
+                        "in --dtype")
     p.add_argument("--kv-cache-mb", type=int, help="specfleet KV cache budget per system, MiB")
     p.add_argument("--baseline", help="system that speed-ups are measured against (default: specfleet:none)")
     p.add_argument("--rounds", type=int, help="run the systems this many times, alternating their order, and "
@@ -96,12 +97,7 @@ def build_preset(args):
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     if args.systems:
         overrides["systems"] = tuple(args.systems)
-    preset = preset.with_overrides(**overrides)
-    if args.quantization == "none":  # with_overrides sets only given fields; "none" clears a preset's choice
-        from dataclasses import replace
-
-        preset = replace(preset, runs=tuple(replace(r, quantization=None) for r in preset.runs))
-    return preset
+    return preset.with_overrides(**overrides)
 
 
 def run_bench(args) -> int:

@@ -40,6 +40,9 @@ class RunConfig:
     # and report all rounds together, so a machine that slows down or speeds up during the run (shared
     # hosts do, by 20 % and more within an hour) affects every system alike instead of the first or last
     rounds: int = 1
+    # measure each system's prefill tok/s at 128/512 tokens, c(k) for k=1..8 and resident memory after its
+    # warm-up (bench/gguf_micro.py), once per round
+    micro: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,24 @@ _STRATEGIES_SHORT = (
     f"specfleet:select({_DRAFTS3})", f"specfleet:select[policy=epsilon-greedy]({_DRAFTS3})",
     f"specfleet:select[policy=prompt-length]({_DRAFTS3})",
 )
+
+# issue 14: the GGUF file as it is (native block-format kernels), the same file dequantized to bf16, and
+# llama.cpp on the same file; the part's quantization "gguf" is the native system's
+_GGUF_SYSTEMS = ("specfleet:none", "specfleet:none,quantization=none", "llamacpp")
+
+
+def _gguf_part(name: str, model: str, dataset: str) -> RunConfig:
+    return RunConfig(name=name, model=model, systems=_GGUF_SYSTEMS, dataset=dataset, num_prompts=4,
+                     shuffle_seed=0 if dataset == "sharegpt" else None, max_prompt_tokens=160, max_tokens=32,
+                     batch_sizes=(1,), ignore_eos=True, quantization="gguf", micro=dataset == "humaneval")
+
+
+def _gguf_checks(part: str, size: str, target: float) -> tuple[Check, ...]:
+    return (Check(f"{size} decode tok/s: specfleet native >= {target}x llama.cpp", part, ("specfleet:none", 1),
+                  ("llamacpp", 1), "decode_throughput_tok_s", target),
+            Check(f"{size} decode tok/s: native vs dense bf16 (reported)", part, ("specfleet:none", 1),
+                  ("specfleet:none,quantization=none", 1), "decode_throughput_tok_s", 0.0))
+
 
 _ALL = ("specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "hf", "hf-assisted:qwen-0.5b")
 
@@ -188,6 +209,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            expected_duration="about 30 minutes for HumanEval and 15 for ShareGPT (50 and 25 without the native "
                              "bf16 kernel) on 2 CPU cores (--parts humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),
+    Preset("gguf", "issue 14: the GGUF files run as they are (native kernels, fp32 activations) against the same "
+           "file dequantized to bf16 and llama.cpp (llama-cpp-python, 2 threads) on it: 4 HumanEval prompts and 4 "
+           "ShareGPT first turns, 32 greedy tokens, batch 1, for the 1.5B and the 0.5B; HumanEval parts add prefill "
+           "tok/s at 128/512 tokens, c(k) for k=1..8 and resident memory",
+           (_gguf_part("humaneval-1.5b", QWEN_15B, "humaneval"), _gguf_part("sharegpt-1.5b", QWEN_15B, "sharegpt"),
+            _gguf_part("humaneval-0.5b", QWEN_05B, "humaneval"), _gguf_part("sharegpt-0.5b", QWEN_05B, "sharegpt")),
+           _gguf_checks("humaneval-1.5b", "1.5B", 0.9) + _gguf_checks("humaneval-0.5b", "0.5B", 0.9),
+           expected_duration="about 15-20 minutes on 2 CPU cores (--parts humaneval-1.5b for one part; "
+                             "--rounds 2 to cancel drift)"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
                       batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),

@@ -88,5 +88,11 @@ def _part(part: dict, plots: list[Path]) -> list[str]:
         lines += ["Time split (seconds summed over requests):", "",
                   md_table(split, ["system", "batch_size", "draft_time_s", "verify_time_s", "steps", "drafted",
                                    "accepted", "strategy_overhead_s", "strategy_overhead_share"]), ""]
+    micro = [{"system": s["label"], "round": i + 1, **m} for s in part["systems"] for i, m in enumerate(s.get("micro", []))]
+    if micro:  # the gguf preset's prefill / c(k) / memory figures (bench/gguf_micro.py)
+        cols = list(dict.fromkeys(k for row in micro for k in row))
+        lines += ["Prefill tok/s at fixed prompt lengths, verification cost c(k) = forward of k+1 tokens / forward "
+                  "of 1 (128-token context), resident memory after the system's warm-up (MiB):", "",
+                  md_table(micro, cols), ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return lines + [""]

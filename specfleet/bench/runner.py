@@ -11,13 +11,14 @@ then never in memory together when the specfleet systems come first).
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from dataclasses import asdict, replace
 
 import torch
 from tqdm import tqdm
 
-from specfleet.bench import datasets, metrics
+from specfleet.bench import datasets, gguf_micro, llamacpp, metrics
 from specfleet.bench.hf import PROMPT_LOOKUP_NAMES, HFSystem, load_hf_model
 from specfleet.bench.presets import Preset, RunConfig
 from specfleet.bench.roofline import measure_bandwidth, weight_bytes_per_step
@@ -48,14 +49,20 @@ class ModelPool:
 
 def _keys(specs: list[SystemSpec], cfg: RunConfig) -> set[tuple]:
     """The pool entries these systems use."""
-    keys = {_ours_key(cfg)} if any(s.kind == "specfleet" for s in specs) else set()
-    if any(s.kind != "specfleet" for s in specs):
+    keys = {_ours_key(cfg, _quantization(s, cfg)) for s in specs if s.kind == "specfleet"}
+    if any(s.kind in ("hf", "hf-assisted") for s in specs):
         keys.add(("hf", cfg.model, cfg.dtype, cfg.device))
     return keys | {("hf", s.draft, cfg.dtype, cfg.device) for s in specs if _is_hf_model_draft(s)}
 
 
-def _ours_key(cfg: RunConfig) -> tuple:
-    return ("ours", cfg.model, cfg.dtype, cfg.device, cfg.quantization)
+def _ours_key(cfg: RunConfig, quantization: str) -> tuple:
+    return ("ours", cfg.model, cfg.dtype, cfg.device, quantization)
+
+
+def _quantization(spec: SystemSpec, cfg: RunConfig) -> str | None:
+    """The weights a specfleet system runs: its own `quantization=` option, else the part's, else dense in the
+    part's dtype (so a preset's figures keep their meaning whatever LLM's default is)."""
+    return spec.options.get("quantization", cfg.quantization) or "none"
 
 
 def _is_hf_model_draft(spec: SystemSpec) -> bool:
@@ -123,8 +130,9 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
 
     pool = ModelPool()
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
-    target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device,
-                                                                    quantization=cfg.quantization))
+    first = _quantization(parse_system(cfg.systems[0]), cfg)
+    target, tokenizer = pool.get(_ours_key(cfg, first), lambda: load_model(cfg.model, dtype, device,
+                                                                           quantization=first))
     prompts, prompt_ids, is_chat = _prompts(cfg, tokenizer, target.config.max_position_embeddings)
     if device.type not in bandwidths:
         bandwidths[device.type] = measure_bandwidth(device)
@@ -144,16 +152,21 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     for i, spec in enumerate(order):
         bar.set_postfix_str(f"{spec.label}: loading")
         pool.keep_only(_keys(order[i:], cfg))
+        if spec.kind == "llamacpp" and not llamacpp.available():
+            _skip_llamacpp(spec, cfg, timed, bar, len(prompt_ids))
+            continue
         system = _build(spec, cfg, pool, eos, pad)
         system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                             "settings": system.notes})
         bar.set_postfix_str(f"{spec.label}: warm-up")
         system.generate(prompt_ids[:1], replace(settings, max_tokens=min(8, settings.max_tokens)))
+        if cfg.micro:  # prefill at fixed lengths, c(k), memory: once per system and round
+            system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
         for b in cfg.batch_sizes:
             timed.run(system, b, prompts, prompt_ids, settings, bar)
         system.close()
         del system
-    system_info = [system_info[s.label] for s in specs]
+    system_info = [system_info[s.label] for s in specs if s.label in system_info]
     pool.keep_only(set())
     bar.close()
     timed.mark_matches(baseline, prompts)
@@ -242,15 +255,26 @@ def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
     return tokenizer.encode(prompt.as_raw_text(), add_special_tokens=True)
 
 
+def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num_prompts: int) -> None:
+    hint = llamacpp.install_hint()
+    if not any(s["system"] == spec.label for s in timed.skipped):
+        print(f"specfleet bench: skipping {spec.label}: llama-cpp-python is not installed; {hint}", file=sys.stderr)
+    timed.skipped.append({"system": spec.label, "batch_size": None, "reason": f"not installed: {hint}"})
+    bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
+
+
 def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int):
     from specfleet.llm import load_model
 
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
+    if spec.kind == "llamacpp":
+        return llamacpp.LlamaCppSystem(spec, cfg.model, eos_token_ids=eos)
     if spec.kind == "specfleet":
-        target, tokenizer = pool.get(_ours_key(cfg), lambda: load_model(cfg.model, dtype, device,
-                                                                        quantization=cfg.quantization))
-        if cfg.quantization and "quantization" not in spec.options:
-            spec = replace(spec, options={**spec.options, "quantization": cfg.quantization})
+        quant = _quantization(spec, cfg)
+        target, tokenizer = pool.get(_ours_key(cfg, quant), lambda: load_model(cfg.model, dtype, device,
+                                                                               quantization=quant))
+        if "quantization" not in spec.options:
+            spec = replace(spec, options={**spec.options, "quantization": quant})
         return SpecfleetSystem(spec, cfg.model, target, tokenizer, dtype=cfg.dtype, device=cfg.device,
                                spec_len=cfg.spec_len, max_batch_size=max(cfg.batch_sizes),
                                kv_cache_mb=cfg.kv_cache_mb)

@@ -6,6 +6,8 @@ A system is named by a string:
     hf                               transformers `generate`, greedy or sampled
     hf-assisted:DRAFT[,k=N]          transformers assisted generation: a draft model, or prompt
                                      lookup for `prompt-lookup`/`ngram` (batch size 1 only)
+    llamacpp                         llama.cpp on the same GGUF file (bench/llamacpp.py; batch size 1,
+                                     greedy; needs the `llamacpp` extra, skipped with a hint without it)
 Shorthands: `ar` = `specfleet:none`, `transformers` = `hf`. specfleet options: k (draft tokens per
 step), width (tree branching), nodes (tree node budget); any other key is passed to `LLM(...)` as a
 keyword (so new engine settings, such as pipelining, need no change here).
@@ -23,7 +25,7 @@ from typing import Protocol
 from specfleet.errors import SpecfleetError
 
 SHORTHANDS = {"ar": "specfleet:none", "specfleet": "specfleet:none", "transformers": "hf"}
-KINDS = ("specfleet", "hf", "hf-assisted")
+KINDS = ("specfleet", "hf", "hf-assisted", "llamacpp")
 _OPTION = re.compile(r"^[A-Za-z_]\w*=")
 SPECFLEET_OPTIONS = {"k": "num_speculative_tokens", "width": "top_children", "nodes": "max_nodes"}
 
@@ -60,8 +62,9 @@ def parse_system(text: str) -> SystemSpec:
     draft = ",".join(parts) or None
     if kind == "specfleet" and draft is None:
         draft = "none"
-    if kind == "hf" and draft is not None:
-        raise SpecfleetError(f"system {text!r}: plain hf takes no draft; use hf-assisted:{draft}")
+    if kind in ("hf", "llamacpp") and draft is not None:
+        raise SpecfleetError(f"system {text!r}: {kind} takes no draft" + (f"; use hf-assisted:{draft}" if kind == "hf"
+                                                                          else ""))
     if kind == "hf-assisted" and (draft is None or draft.lower() == "none"):
         raise SpecfleetError(f"system {text!r}: hf-assisted needs a draft, e.g. hf-assisted:qwen-0.5b")
     return SystemSpec(label, kind, draft, dict(reversed(options.items())))

@@ -22,15 +22,50 @@ from torch import nn
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.cpu_linear import sliced_upcast_linear
 
-QUANTIZATIONS = ("none", "int8")
+# auto: "gguf" for a GGUF file on the CPU, else "none". gguf: a GGUF file's block formats kept as they are
+# (runtime/qlinear.py, fp32 activations). none: dense weights in the model's dtype. int8: this module.
+# q4_0/q8_0/q4_k: every matrix requantized into that GGUF format at load, then run like "gguf".
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "q4_0", "q8_0", "q4_k")
+BLOCK_FORMATS = ("gguf", "q4_0", "q8_0", "q4_k")  # the modes that run on runtime/qtensor.py's kernels
 
 
 def parse_quantization(value: str | None) -> str | None:
+    """The canonical mode: None for "none" (dense), else one of QUANTIZATIONS; None in -> None out."""
     if value is None or value == "none":
         return None
-    if value not in QUANTIZATIONS:
+    if not isinstance(value, str) or value.lower() not in QUANTIZATIONS:
         raise InvalidRequestError(f"unknown quantization {value!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    return value
+    return value.lower()
+
+
+def resolve_quantization(mode: str | None, is_gguf: bool, device: torch.device) -> str | None:
+    """What `mode` (from parse_quantization; "auto" when the user chose nothing) means for one model:
+    None (dense), "int8", or a block-format mode, which needs the CPU and the native kernels.
+    Where those kernels cannot run, a block-format mode falls back to dense weights with the reason logged."""
+    import logging
+
+    if mode == "auto":
+        mode = "gguf" if is_gguf and device.type == "cpu" else None
+    if mode not in BLOCK_FORMATS:
+        return mode
+    if mode == "gguf" and not is_gguf:
+        raise InvalidRequestError("quantization 'gguf' keeps a GGUF file's formats, but this model is not a .gguf "
+                                  "file; use none, int8 or one of q4_0, q8_0, q4_k")
+    if device.type != "cpu":
+        raise InvalidRequestError(f"quantization {mode!r} runs on the CPU only; on {device.type} use 'none' "
+                                  "(dense weights in --dtype) or 'int8'")
+    try:
+        from specfleet.runtime import qtensor
+
+        reason = None if qtensor.available() else qtensor.unavailable_reason()
+    except ImportError as e:  # a build of specfleet without runtime/qtensor.py
+        reason = f"specfleet.runtime.qtensor cannot be imported: {e}"
+    if reason is not None:
+        logging.getLogger(__name__).warning(
+            "quantization %r: the native GGUF kernels are unavailable (%s); loading dense weights instead",
+            mode, reason)
+        return None
+    return mode
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +131,7 @@ class Int8Linear(nn.Module):
 def quantize_model(model: nn.Module, mode: str | None) -> nn.Module:
     """Replace the transformer's linear layers (and the head) by int8 ones, in place; returns the model."""
     mode = parse_quantization(mode)
-    if mode is None or getattr(model, "quantization", None) == mode:
+    if mode != "int8" or getattr(model, "quantization", None) == mode:  # other modes act at load
         return model
     if getattr(model, "quantization", None):
         raise InvalidRequestError(f"model is already quantized as {model.quantization}")

@@ -1,0 +1,80 @@
+"""The per-system figures of the `gguf` preset beyond end-to-end generation, measured once per system
+after its warm-up: prefill tok/s at fixed prompt lengths, the verification cost c(k) and resident memory.
+
+- prefill: seconds to run a prompt of n tokens from an empty cache (specfleet: one forward through
+  the engine's runner; llama.cpp: `Llama.eval`), best of `repeats`; tok/s = n / seconds.
+- c(k): seconds of one target forward over k+1 new tokens after a 128-token context, divided by the
+  seconds of a forward over 1 token at the same context (specfleet only; PERFORMANCE.md's cost model).
+- rss_mb / peak_rss_mb: this process's resident memory now and its peak so far (VmRSS / VmHWM), which
+  covers the target, its drafts and KV caches of the systems built so far in the part.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+PREFILL_LENGTHS = (128, 512)
+VERIFY_KS = tuple(range(1, 9))
+CONTEXT = 128
+
+
+def memory_mb() -> dict:
+    """VmRSS and VmHWM of this process in MiB (empty where /proc is absent)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = {line.split(":")[0]: line.split()[1] for line in lines if line.startswith(("VmRSS", "VmHWM"))}
+    return {"rss_mb": round(int(fields["VmRSS"]) / 1024), "peak_rss_mb": round(int(fields["VmHWM"]) / 1024)}
+
+
+def _tokens(source: list[list[int]], n: int) -> list[int]:
+    """n token ids cut from the prompts laid end to end (repeated if they are shorter)."""
+    flat = [t for p in source for t in p] or [0]
+    return (flat * (n // len(flat) + 1))[:n]
+
+
+def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
+    from specfleet.bench.llamacpp import LlamaCppSystem
+    from specfleet.bench.systems import SpecfleetSystem
+
+    out: dict = {}
+    if isinstance(system, SpecfleetSystem) and system.llm.engine.proposer is None:
+        engine = system.llm.engine
+        for n in PREFILL_LENGTHS:
+            s = _best(lambda n=n: _forward(engine, _tokens(prompt_ids, n), 0, n), repeats)
+            out[f"prefill_{n}_tok_s"] = round(n / s, 2)
+        one = _best(lambda: _forward(engine, _tokens(prompt_ids, CONTEXT + 1), CONTEXT, 1), repeats + 2)
+        for k in VERIFY_KS:
+            s = _best(lambda k=k: _forward(engine, _tokens(prompt_ids, CONTEXT + k + 1), CONTEXT, k + 1), repeats)
+            out[f"c({k})"] = round(s / one, 2)
+        out["decode_step_ms"] = round(one * 1000, 1)
+    elif isinstance(system, LlamaCppSystem):
+        for n in PREFILL_LENGTHS:
+            s = _best(lambda n=n: system.prefill_seconds(_tokens(prompt_ids, n)), repeats)
+            out[f"prefill_{n}_tok_s"] = round(n / s, 2)
+    return out | memory_mb()
+
+
+def _best(run, repeats: int) -> float:
+    times = sorted(run() for _ in range(repeats))
+    return times[0] if len(times) < 3 else statistics.median(times[:3])
+
+
+def _forward(engine, ids: list[int], context: int, new: int) -> float:
+    """Seconds of the timed forward of the last `new` of `ids` after `context` cached tokens (the
+    context itself is computed first, untimed); the KV blocks are freed after."""
+    from specfleet.runtime.model_runner import ForwardItem
+
+    rid = "__gguf_micro__"
+    engine.blocks.allocate(rid, context + new)
+    try:
+        if context:
+            engine.runner.execute([ForwardItem(rid, ids[:context], 0, [context - 1])], engine.blocks)
+        t0 = time.perf_counter()
+        rows = list(range(new)) if context else [new - 1]  # verification needs every row's logits, prefill one
+        engine.runner.execute([ForwardItem(rid, ids[context:context + new], context, rows)], engine.blocks)
+        return time.perf_counter() - t0
+    finally:
+        engine.blocks.free(rid)
