@@ -249,6 +249,30 @@ def test_speculative_greedy_equals_plain_greedy(models, kind, batch):
                                  "adaptive": LengthController}[kind])
 
 
+def test_preemption_and_aborts_keep_outputs_exact_and_free_every_block(models):
+    target, _ = models
+    rng = random.Random(3)
+    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(16)])
+    plain = run_to_completion(make_engine(target), prompts, GREEDY)
+    proposer = SuffixProposer(SuffixConfig(min_match=1, global_nodes=300))
+    eng = make_engine(target, proposer, num_blocks=40, max_num_batched_tokens=24, max_num_seqs=6)
+    reqs = [eng.add_request(p, GREEDY) for p in prompts]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        live = [r for r in reqs if not r.is_finished and r.output_token_ids]
+        if live and steps % 15 == 0:
+            eng.abort(rng.choice(live).request_id)
+    assert sum(r.num_preemptions for r in reqs) > 0, "the test must exercise preemption"
+    assert any(r.finish_reason == "abort" for r in reqs) and eng.stats.num_accepted > 0
+    for r, want in zip(reqs, plain):
+        n = len(r.output_token_ids)
+        assert r.output_token_ids == want.token_ids[:n] and (r.finish_reason == "abort" or n == len(want.token_ids))
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert not proposer._requests and proposer.global_trie.num_nodes <= 300  # released, and the cap holds
+
+
 @pytest.mark.parametrize("setting", ["t1", "t1.3-p0.8"])
 def test_sampled_output_follows_the_target(setup, setting):  # noqa: F811
     hf, target, _, prompt = setup
