@@ -1,40 +1,75 @@
 """Attention over a ragged batch whose keys and values live in a paged KV cache.
 
 A ragged batch packs the new tokens of many requests into one [num_tokens, ...] tensor with no
-padding. Request i contributes `query_lens[i]` new tokens placed after `context_lens[i]` tokens
-already cached. Its queries attend to its own cached tokens and, among its new tokens, to those
-allowed by its mask: causal by default, or any [new, new] boolean mask (a draft tree's ancestor
-mask). Nothing ever attends across requests.
+padding. Request i contributes `query_len` new tokens placed after `context_len` tokens already
+cached. Its queries attend to its own cached tokens and, among its new tokens, to those allowed by
+its mask: causal by default, or any [new, new] boolean mask (a draft tree's ancestor mask). A draft
+model drafting a tree level by level may also hide part of the context ([new, context + new] mask).
+Nothing ever attends across requests.
 
-Grouped-query attention is computed without repeating K/V: the G = num_heads / num_kv_heads query
-heads that share one KV head are folded into the query-row dimension, so each KV head does one
-[n*G, L] attention. For decode (n = 1) that needs no mask at all.
+Reading the cache: when a request's blocks are consecutive (the block manager allocates them so
+whenever it can) its keys and values are a view of the cache and nothing is copied; otherwise its
+rows are gathered, once per layer. Grouped-query attention is computed without repeating K/V over
+the context: the G = num_heads / num_kv_heads query heads that share one KV head are folded into
+the query-row dimension, row order (token, group), so each KV head does one [n*G, L] attention.
+
+Cost that grows as it should (CPU): a prompt chunk or a verify tree with cached context is split in
+two attentions merged by their log-sum-exps: the queries against the context, with no mask at all,
+and the queries against the new tokens, causal (which the flash kernel computes on the lower
+triangle only) or with the tree mask. A mask over the whole [n*G, context + n] rectangle is never
+built, and no score matrix of that size is materialized. Worked example of the merge: if a query's
+scores over the context have log-sum-exp a and output o_a, and over the new tokens b and o_b, then
+attention over both is (e^a o_a + e^b o_b) / (e^a + e^b) = w o_a + (1 - w) o_b with
+w = sigmoid(a - b). Elsewhere (CUDA) one masked SDPA call per request does the whole attention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# the CPU flash kernel also returns the log-sum-exp of each query row, which the split needs
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass
+class SeqAttention:
+    """One request's attention layout for one step, built by the model runner and read by every layer."""
+
+    query_len: int
+    context_len: int
+    kv: slice | torch.Tensor  # cache rows of its context_len + query_len tokens: a slice, or gathered indices
+    new_mask: torch.Tensor | None = None  # [query, query] bool among the new tokens; None = causal
+    context_mask: torch.Tensor | None = None  # [query, context] bool; None = the whole context is visible
+    _bias: dict = field(default_factory=dict, repr=False)  # additive masks folded per group, made once per step
+
+    def bias(self, group: int, with_context: bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [query*G, (context +) query] over folded query rows (0 visible, -inf hidden)."""
+        key = (group, with_context, dtype)
+        if key not in self._bias:
+            n = self.query_len
+            new = self.new_mask if self.new_mask is not None else causal_mask(n, device)
+            visible = new.to(device)
+            if with_context:
+                ctx = (self.context_mask.to(device) if self.context_mask is not None
+                       else torch.ones(n, self.context_len, dtype=torch.bool, device=device))
+                visible = torch.cat([ctx, visible], dim=1)
+            bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            self._bias[key] = bias.repeat_interleave(group, dim=0)
+        return self._bias[key]
 
 
 @dataclass
 class AttentionBatch:
     """Per-step attention layout, built once per step by the model runner and shared by all layers."""
 
-    query_lens: list[int]
-    context_lens: list[int]
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
-    kv_indices: list[torch.Tensor]  # per request: [context + new] flat slots of its whole sequence
-    masks: list[torch.Tensor | None]  # per request: [new, context + new] bool (True = visible), None = no mask needed
+    seqs: list[SeqAttention]
 
-
-def build_visibility_mask(context_len: int, new_mask: torch.Tensor) -> torch.Tensor:
-    """[new, new] mask over new tokens -> [new, context + new] mask that also sees the whole context."""
-    n = new_mask.shape[0]
-    full = torch.ones(n, context_len + n, dtype=torch.bool, device=new_mask.device)
-    full[:, context_len:] = new_mask
-    return full
+    @property
+    def query_lens(self) -> list[int]:
+        return [s.query_len for s in self.seqs]
 
 
 def causal_mask(n: int, device: torch.device) -> torch.Tensor:
@@ -48,18 +83,64 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
+    num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
     start = 0
-    for n, idx, mask in zip(batch.query_lens, batch.kv_indices, batch.masks):
-        qi = q[start:start + n]  # [n, H, D]
-        # fold the query heads of each KV group into rows: [KVH, n*G, D], row order (token, group)
-        qi = qi.view(n, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_dim)
-        ki = k_cache.index_select(0, idx).transpose(0, 1)  # [KVH, L, D]
-        vi = v_cache.index_select(0, idx).transpose(0, 1)
-        m = None if mask is None else mask.repeat_interleave(group, dim=0)  # [n*G, L]
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=m, scale=scale)  # [KVH, n*G, D]
-        out[start:start + n] = oi.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3).reshape(n, -1, head_dim)
+    for seq in batch.seqs:
+        n = seq.query_len
+        ki, vi = k_cache[seq.kv], v_cache[seq.kv]  # [L, KVH, D]: a view, or a gather when fragmented
+        out[start:start + n] = _attend(q[start:start + n], ki, vi, seq, num_kv_heads, scale)
         start += n
     return out
+
+
+def _fold(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, H, D] -> [1, KVH, n*G, D], rows in (token, group) order."""
+    n, h, d = x.shape
+    return x.view(n, num_kv_heads, h // num_kv_heads, d).transpose(0, 1).reshape(1, num_kv_heads, -1, d)
+
+
+def _unfold(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[1, KVH, n*G, D] -> [n, H, D] (the inverse of _fold)."""
+    kvh, d = x.shape[1], x.shape[3]
+    return x[0].view(kvh, n, -1, d).transpose(0, 1).reshape(n, -1, d)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[L, KVH, D] cache rows -> [1, KVH, L, D] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
+            scale: float) -> torch.Tensor:
+    """One request: qi [n, H, D], ki/vi [context + n, KVH, D] -> [n, H, D]."""
+    n, c = seq.query_len, seq.context_len
+    group = qi.shape[1] // num_kv_heads
+    qf = _fold(qi, num_kv_heads)
+    k, v = _heads_first(ki), _heads_first(vi)
+    if n == 1 and seq.context_mask is None:  # one new token sees the whole sequence: no mask at all
+        return _unfold(F.scaled_dot_product_attention(qf, k, v, scale=scale), n)
+    can_split = _cpu_flash is not None and qi.device.type == "cpu"
+    if not can_split or seq.context_mask is not None:
+        bias = seq.bias(group, True, qi.device, qi.dtype)
+        return _unfold(F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale), n)
+    o_new, lse_new = _attend_new(qi, qf, k[:, :, c:], v[:, :, c:], seq, group, scale)
+    if c == 0:
+        return o_new
+    o_ctx, lse_ctx = _cpu_flash(qf, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
+    w = torch.sigmoid(_unfold(lse_ctx.unsqueeze(-1), n) - lse_new)  # [n, H, 1]: the context's share
+    return torch.lerp(o_new.float(), _unfold(o_ctx, n).float(), w).to(qi.dtype)
+
+
+def _attend_new(qi, qf, k, v, seq: SeqAttention, group: int, scale: float):
+    """Attention of the new tokens among themselves (CPU flash kernel): output [n, H, D] and log-sum-exp
+    [n, H, 1]. Causal runs unfolded with is_causal, which skips the upper triangle; a tree mask runs
+    folded with its bias."""
+    n = seq.query_len
+    if seq.new_mask is None:
+        k_rep = k.repeat_interleave(group, dim=1)  # [1, H, n, D]: only the new tokens are repeated
+        v_rep = v.repeat_interleave(group, dim=1)
+        o, lse = _cpu_flash(qi.transpose(0, 1).unsqueeze(0), k_rep, v_rep, 0.0, True, scale=scale)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1).unsqueeze(-1)
+    o, lse = _cpu_flash(qf, k, v, 0.0, False, attn_mask=seq.bias(group, False, qi.device, qi.dtype), scale=scale)
+    return _unfold(o, n), _unfold(lse.unsqueeze(-1), n)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specfleet.engine.block_manager import BlockManager
-from specfleet.runtime.attention import AttentionBatch, build_visibility_mask, causal_mask
+from specfleet.runtime.attention import AttentionBatch, SeqAttention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model import DecoderLM
 
@@ -43,7 +43,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         self._block_offsets = torch.arange(kv.block_size, device=device)
 
-    def _request_slots(self, block_ids: list[int], length: int) -> torch.Tensor:
+    def _request_kv(self, block_ids: list[int], length: int) -> slice | torch.Tensor:
+        """The cache rows of a request's first `length` tokens: a slice (a view, nothing copied) when
+        its blocks are consecutive, else the row indices to gather."""
+        first = block_ids[0]
+        if all(b == first + i for i, b in enumerate(block_ids)):
+            return slice(first * self.block_size, first * self.block_size + length)
         bt = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return (bt[:, None] * self.block_size + self._block_offsets).flatten()[:length]
 
@@ -51,33 +56,41 @@ class ModelRunner:
         """One forward over all items. Returns fp32 logits [sum of len(logit_indices), vocab] in item order."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_maps, kv_indices, masks, logit_rows = [], [], [], []
+        slot_maps, seqs, logit_rows = [], [], []
         offset = 0
         for it in items:
             n = len(it.token_ids)
             total = it.context_len + n
             assert blocks.num_tokens(it.request_id) >= total, "scheduler must reserve slots before a forward"
-            slots = self._request_slots(blocks.block_ids(it.request_id), total)
-            slot_maps.append(slots[it.context_len:])
-            kv_indices.append(slots)
-            if n == 1 and (it.new_mask is None or bool(it.new_mask.all())):
-                masks.append(None)  # a single new token sees the whole sequence
+            kv = self._request_kv(blocks.block_ids(it.request_id), total)
+            if isinstance(kv, slice):
+                slot_maps.append(torch.arange(kv.start + it.context_len, kv.stop, device=self.device))
             else:
-                m = it.new_mask.to(self.device) if it.new_mask is not None else causal_mask(n, self.device)
-                masks.append(m if m.shape[1] == total else build_visibility_mask(it.context_len, m))
+                slot_maps.append(kv[it.context_len:])
+            seqs.append(self._seq_attention(it, kv))
             input_ids.extend(it.token_ids)
             positions.extend(it.positions if it.positions is not None else range(it.context_len, total))
             logit_rows.extend(offset + j for j in it.logit_indices)
             offset += n
-        batch = AttentionBatch(
-            query_lens=[len(it.token_ids) for it in items],
-            context_lens=[it.context_len for it in items],
-            slot_mapping=torch.cat(slot_maps),
-            kv_indices=kv_indices,
-            masks=masks,
-        )
+        batch = AttentionBatch(slot_mapping=torch.cat(slot_maps), seqs=seqs)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, batch, self.kv)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
+
+    def _seq_attention(self, it: ForwardItem, kv: slice | torch.Tensor) -> SeqAttention:
+        """Split the item's mask into its part over the context (None when all of it is visible) and its
+        [n, n] part among the new tokens (None when causal)."""
+        n, c = len(it.token_ids), it.context_len
+        mask = it.new_mask
+        if mask is None:
+            return SeqAttention(n, c, kv)
+        mask = mask.to(self.device)
+        context_mask = None
+        if mask.shape[1] == c + n:
+            context_mask = mask[:, :c]
+            if bool(context_mask.all()):
+                context_mask = None
+            mask = mask[:, c:]
+        return SeqAttention(n, c, kv, mask, context_mask)
