@@ -21,14 +21,20 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens in one forward (prompt chunks + decodes + draft nodes)
+    # tokens in one forward: decode rows and draft nodes first, prompt chunks in the rest (engine/scheduler.py);
+    # 512 keeps prompt chunks large enough for efficient matmuls and a step short enough that decoding
+    # requests keep streaming while a long prompt is prefilled
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_prefills: int = 4  # prompts prefilled side by side, sharing what decode rows leave of the budget
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_prefills < 1:
+            raise InvalidRequestError(f"max_num_prefills must be >= 1, got {self.max_num_prefills}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

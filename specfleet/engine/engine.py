@@ -53,7 +53,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cc.block_size)
         self.runner = ModelRunner(model, KVCache.allocate(mcfg, num_blocks, cc.block_size, self.dtype, self.device),
                                   self.device)
-        self.scheduler = Scheduler(self.blocks, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_num_prefills)
         self.proposer = proposer
         self.stop_checker = StopChecker(tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}

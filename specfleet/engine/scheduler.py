@@ -1,14 +1,31 @@
-"""Continuous batching under a token budget, with preemption by recomputation.
+"""Continuous batching under a per-step token budget: decode rows first, then prefill chunks.
 
-Each step the running requests go first, in arrival order: a request contributes its uncomputed
-tokens (one, normally: the last sampled token) plus the nodes of its pending draft tree. Then
-waiting requests are admitted, their prompt chunked to fit the remaining budget. When the target
-cache has no room, the pending draft is dropped first; then the most recently admitted request is
-preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed from
-its prompt and the output it already has. Nothing is ever dropped.
+Each step's budget (`max_num_batched_tokens`) is filled in two passes.
+
+1. Decode and verify rows. Every running request whose sequence is computed up to its last sampled
+   token contributes that token plus one row per node of its pending draft tree, in admission order.
+   A draft rides along only when it fits the budget and the cache; otherwise it is dropped and the
+   request decodes one token.
+2. Prefill chunks from what is left. Prompts in prefill are the running requests whose prompt is
+   only partly computed (they keep their blocks and counters between steps), then the waiting
+   requests, at most `max_num_prefills` prompts in all. The left-over budget is split among them
+   max-min fairly (water filling): each gets an equal share, and a prompt that needs less than its
+   share takes only what it needs and leaves the rest to the others. Example: 500 tokens left and
+   prompts needing 20, 4000 and 3000 tokens get 20, 240 and 240. So a short prompt that arrives
+   during a long prefill is prefilled in its next step, and the long one still progresses by at
+   least 1/max_num_prefills of the left-over budget per step. A partly prefilled request gets no
+   draft and emits no token until its last chunk (`ScheduledRequest.completes_sequence`).
+
+Memory: when the cache has no room for a decode row, the pending draft is dropped first; then the
+most recently admitted request is preempted: its blocks are freed and it goes back to the front of
+the queue, to be recomputed from its prompt and the output it already has. Nothing is ever dropped.
+A prefill chunk that does not fit waits; if nothing at all fits, the most recently admitted request
+is preempted, so half-computed prompts cannot fill the cache and stall one another. No request is
+admitted in a step in which someone was preempted.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,11 +55,24 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def fair_shares(needs: list[int], budget: int) -> list[int]:
+    """Max-min fair split of `budget` tokens: fair_shares([20, 4000, 3000], 500) == [20, 240, 240]."""
+    shares = [0] * len(needs)
+    left = budget
+    order = sorted(range(len(needs)), key=lambda i: needs[i])
+    for k, i in enumerate(order):
+        shares[i] = min(needs[i], left // (len(order) - k))
+        left -= shares[i]
+    return shares
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_num_prefills: int = 4):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_prefills = max_num_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -64,16 +94,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = self._schedule_decodes(out)
+        self._schedule_prefills(out, budget)
+        while not out.scheduled and self.running:  # everyone's chunk is short of blocks: make room
+            self._preempt(self.running[-1], out)
+            self._schedule_prefills(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        """Pass 1: every decoding request's last token and its draft. Returns the budget left."""
         budget = self.max_num_batched_tokens
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != RequestStatus.RUNNING or req.num_uncomputed != 1 or budget == 0:
                 continue
-            num_new = min(req.num_uncomputed, budget)
-            with_draft = req.draft is not None and num_new == req.num_uncomputed \
-                and num_new + req.num_draft_tokens <= budget
+            with_draft = req.draft is not None and 1 + req.num_draft_tokens <= budget
             while True:
-                need = num_new + (req.num_draft_tokens if with_draft else 0)
-                if self.blocks.can_append(req.request_id, need):
+                if self.blocks.can_append(req.request_id, 1 + (req.num_draft_tokens if with_draft else 0)):
                     break
                 if with_draft:
                     with_draft = False
@@ -85,23 +121,33 @@ class Scheduler:
                 continue
             if not with_draft:
                 req.draft = None
-            self.blocks.append(req.request_id, num_new + req.num_draft_tokens)
-            out.scheduled.append(ScheduledRequest(req, num_new, with_draft))
-            budget -= num_new + req.num_draft_tokens
-        # admit waiting requests, unless memory was so short that someone was just preempted
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            num_new = min(req.num_uncomputed, budget)
-            if not self.blocks.can_allocate(num_new):
-                break
+            self.blocks.append(req.request_id, 1 + req.num_draft_tokens)
+            out.scheduled.append(ScheduledRequest(req, 1, with_draft))
+            budget -= 1 + req.num_draft_tokens
+        return budget
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        """Pass 2: prompt chunks, the budget shared max-min fairly (see the module docstring)."""
+        partial = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1]
+        room = min(self.max_num_prefills - len(partial), self.max_num_seqs - len(self.running))
+        admissible = [] if out.preempted else list(itertools.islice(self.waiting, max(0, room)))
+        candidates = partial[:self.max_num_prefills] + admissible
+        for req, num_new in zip(candidates, fair_shares([r.num_uncomputed for r in candidates], budget)):
+            if num_new == 0:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                if self.blocks.can_append(req.request_id, num_new):
+                    self.blocks.append(req.request_id, num_new)
+                    out.scheduled.append(ScheduledRequest(req, num_new, False))
+                continue
+            if self.waiting[0] is not req or not self.blocks.can_allocate(num_new):
+                break  # admission is in arrival order
             self.waiting.popleft()
             self.blocks.allocate(req.request_id, num_new)
             req.status = RequestStatus.RUNNING
             req.draft = None
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, False))
-            budget -= num_new
-        return out
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request and free its blocks."""
