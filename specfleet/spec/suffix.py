@@ -11,12 +11,12 @@ path (a frequency is a child's count over the counts of all its siblings), nodes
 are not proposed, and the node budget follows the match length, min(max_nodes, factor * match): a
 long match has earned a deep guess, a short one a cautious guess (in the own text, a shorter match
 is also tried when the longest one's continuation runs out early; see `_own_tree`). The two tries'
-trees compete on their summed scores (the expected number of accepted tokens under the counts); a match shorter
-than `min_match` in both gives no draft, so the request decodes plainly at no cost.
+trees compete on their summed scores (the expected number of accepted tokens under the counts); a
+match shorter than `min_match` in both gives no draft, so the request decodes plainly at no cost.
 
-Example: context "x = f(a)\\ny = f(" with "f(a)" seen once: the longest repeated suffix is " f(",
-followed once by "a", then ")" and so on, each with frequency 1, so the draft is the chain "a ) ...",
-as long as the budget of a 2- or 3-token match allows.
+Example: in the context "x = f(a)\\ny = f(" the longest repeated suffix is " = f(", seen once before
+and followed by "a", ")", "\\n" ..., each with frequency 1: the draft is the chain "a ) \\n ...", as
+many tokens as the budget of that 3- or 4-token match allows.
 
 Drafts are deterministic, so verification treats every node as a point mass (draft_probs None), as
 for prompt lookup: lossless for greedy and sampled requests alike.
