@@ -99,7 +99,9 @@ class LLM:
                 import copy
 
                 self.model = quantize_model(copy.deepcopy(_model), self.quantization)  # the caller's stays as is
-            elif self.quantization not in ("auto", "int8", have):
+            elif self.quantization not in ("auto", "int8", have) and not (
+                    have is None and resolve_quantization(self.quantization, True, self.device) is None):
+                # (a dense model handed in for a block format is what loading falls back to without the kernels)
                 raise InvalidRequestError(f"quantization {self.quantization!r} is applied when a model is loaded; "
                                           f"the model handed in is {have or 'dense'}")
         else:
