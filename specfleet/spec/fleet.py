@@ -26,7 +26,9 @@ step committed: with point masses, a node is accepted exactly when the committed
 spells its path, so unchosen drafts keep learning (and greedy and sampled requests alike). A tree with
 draft distributions (a sampled model chain) learns only from its own verification. Every
 `explore_every` steps each expensive member is called for every request at its full depth and the
-cheap trees go untrimmed, so its acceptance and the cost of longer trees are re-measured.
+cheap trees go untrimmed, so its acceptance and the cost of longer trees are re-measured; while no
+request would have called it on its estimates, the interval doubles (up to 16x), so a draft that does not
+pay costs ever less to keep watching.
 
 Step cost: the wall time from the end of one `propose` to the start of the next is the step the
 target just ran (forward, verification, commit, bookkeeping) for the planned batch and node count; a
@@ -62,7 +64,8 @@ CONTEXT_CAP = 3  # contexts: 0 = no history, 1 + min(depth its last proposal mat
 class FleetConfig:
     margin: float = 1.0  # speculate only when the best rate beats plain decoding's by this factor
     merge: bool = True  # also consider the union of the point-mass trees
-    explore_every: int = 32  # steps between forced calls of each expensive member (0 = never)
+    explore_every: int = 32  # steps between forced calls of each expensive member (0 = never); the
+    # interval doubles (up to 16x) after each forced call whose trees no request chose, and resets once one does
     prior_node_cost: float = 0.1  # before any step is timed: a verified node costs this much of a step
     decay: float = 0.99  # forgetting of acceptance counts per observation of a cell
     shrink: float = 2.0  # pseudo-observations pulling a context's estimate to the pooled one
@@ -169,6 +172,7 @@ class FleetProposer:
         self._ctx: dict[str, list[int]] = {}  # request id -> context per member
         self._seen: dict[tuple[str, int], int] = {}  # (request, expensive member) -> tokens when it drafted
         self._since_called = {j: cfg.explore_every for j in self.expensive}
+        self._explore_gap = {j: cfg.explore_every for j in self.expensive}
         self._pending: dict[str, _Pending] = {}
         self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
         self._dropped: set[str] = set()
@@ -194,20 +198,22 @@ class FleetProposer:
         self.num_steps += 1
         self.num_request_steps += len(requests)
         batch = self._last_batch = len(requests)
-        explore = {j for j in self.expensive
-                   if self.config.explore_every and self._since_called[j] >= self.config.explore_every}
+        explore = {j for j in self.expensive if self.config.explore_every and self._since_called[j] >= self._explore_gap[j]}
         cands: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in requests}
         spent = {r.request_id: 0.0 for r in requests}
         for j in self.cheap:
             self._call(j, requests, None, cands, spent)
         t1 = time.perf_counter()
-        share, planned, groups = self.steps.share(batch), 0, {j: [] for j in self.expensive}
+        share, planned, groups, wanted = self.steps.share(batch), 0, {j: [] for j in self.expensive}, set()
         for r in requests:  # first pass: which requests an expensive draft would serve better
             rid = r.request_id
             best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=bool(explore))
             for j in self.expensive:
                 k, rate = self._expected_chain(r, j, share + spent[rid], planned)
-                if j in explore or (rate > best.rate and rate > self.config.margin / (share + spent[rid])):
+                pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
+                if pays:
+                    wanted.add(j)
+                if pays or j in explore:
                     groups[j].append((r, k))
             planned += len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
@@ -229,6 +235,11 @@ class FleetProposer:
             name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
             self.chosen[name] += 1
             per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
+            if j in wanted:
+                self._explore_gap[j] = self.config.explore_every
+            elif j in explore:
+                self._explore_gap[j] = min(2 * self._explore_gap[j], 16 * self.config.explore_every)
         self._plan = (self.clock(), batch, planned, per)
         self.overhead_s["decide"] += time.perf_counter() - t2
         return out
