@@ -48,12 +48,12 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= words
 
 
-def _build(out: Path, compiler: str) -> None:
+def _build(out: Path, compiler: str, source: Path = SOURCE, flags: list[str] = FLAGS) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, str(source), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -61,6 +61,29 @@ def _build(out: Path, compiler: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
+    """Build `source` into `<cache root>/native/` (named by a hash of the source and the command, so an
+    edited kernel is rebuilt; in the temp directory if the cache is read-only) and load it. Raises with
+    the reason where it cannot (see `missing_prerequisite`)."""
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise RuntimeError(missing)
+    compiler = _compiler()
+    from specfleet.models.registry import cache_root
+
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    name = f"{source.stem}-{key}.so"
+    path = cache_root() / "native" / name
+    if not path.exists():
+        try:
+            _build(path, compiler, source, flags)
+        except OSError:  # the cache is not writable (a read-only home): build in the temp directory
+            path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
+            if not path.exists():
+                _build(path, compiler, source, flags)
+    return ctypes.CDLL(str(path))
 
 
 def _compiler() -> str | None:
@@ -81,25 +104,9 @@ def missing_prerequisite() -> str | None:
 
 
 def _load() -> ctypes.CDLL:
-    missing = missing_prerequisite()
-    if missing is not None:
-        raise RuntimeError(missing)
-    compiler = _compiler()
-    from specfleet.models.registry import cache_root
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    name = f"bf16_linear-{key}.so"
-    path = cache_root() / "native" / name
-    if not path.exists():
-        try:
-            _build(path, compiler)
-        except OSError:  # the cache is not writable (a read-only home): build in the temp directory
-            path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
-            if not path.exists():
-                _build(path, compiler)
-    lib = ctypes.CDLL(str(path))
+    lib = compile_library(SOURCE, FLAGS)
     if lib.specfleet_native_abi() != ABI:
-        raise RuntimeError(f"{path} has ABI {lib.specfleet_native_abi()}, expected {ABI}")
+        raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_native_abi()}, expected {ABI}")
     fn = lib.specfleet_bf16_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int]

@@ -1,0 +1,246 @@
+"""Weights kept in a GGUF block format, and their products: the Python side of csrc/q_linear.c.
+
+A `QTensor` is a 2-D weight [N, K] (N output rows, K inputs) stored as llama.cpp stores it: each row
+is K / block_size blocks of `type_size` bytes (the layouts are written out at the top of
+csrc/q_linear.c). Its bytes can wrap the GGUF file's read-only memory map, so a model loaded this way
+costs about the file's size in memory.
+
+`qlinear(x, w)` computes x @ W^T with the native kernel (AVX2 + FMA + F16C + OpenMP, compiled on first
+use into the cache by runtime/native.py and loaded with ctypes, which releases the GIL). The kernel
+quantizes each row of x to int8 on its own and sums in a fixed order, so a row's result is bit for
+bit the same whatever other rows share the call: verifying k+1 drafted tokens gives each of them
+what decoding it alone gives, which keeps speculation lossless on these weights. Where the kernel
+cannot be built, `available()` is False, `unavailable_reason()` says why, and `qlinear` falls back
+to dequantizing (slow, for tests and odd machines; the model loader prefers dense weights then).
+
+Formats: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K (`SUPPORTED_TYPES`). F32/F16/BF16 matrices are not
+QTensors: callers keep them dense. `quantize` writes Q4_0, Q4_1, Q5_0 and Q8_0 through gguf-py's
+quantizers and Q4_K through our own (gguf-py has none for it).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+
+from specfleet.runtime import native
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K})
+SOURCE = Path(__file__).with_name("csrc") / "q_linear.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+ABI = 1
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _missing() -> str | None:
+    reason = native.missing_prerequisite()
+    if reason is None:
+        try:
+            flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        if "f16c" not in flags.split():
+            reason = "this CPU lacks F16C"
+    return reason
+
+
+def _load() -> ctypes.CDLL:
+    missing = _missing()
+    if missing is not None:
+        raise RuntimeError(missing)
+    lib = native.compile_library(SOURCE, FLAGS)
+    if lib.specfleet_q_abi() != ABI:
+        raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_q_abi()}, expected {ABI}")
+    fn = lib.specfleet_q_linear
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib.specfleet_q_act_row_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.specfleet_q_act_row_bytes.restype = ctypes.c_int64
+    return lib
+
+
+def _get() -> ctypes.CDLL | None:
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _load()
+            except Exception as e:  # noqa: BLE001 -- any failure means: no native kernel here
+                _reason = str(e)
+                log.warning("specfleet native GGUF kernels unavailable: %s", _reason)
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return _get() is not None
+
+
+def unavailable_reason() -> str | None:
+    _get()
+    return _reason
+
+
+def _as_type(qtype) -> T:
+    try:
+        return T(int(qtype))
+    except ValueError as e:
+        raise ValueError(f"{qtype!r} is not a GGML quantization type") from e
+
+
+class QTensor:
+    """A [N, K] weight in one GGUF block format: `data` uint8 [N, row_bytes], `qtype`, `shape`."""
+
+    __slots__ = ("data", "qtype", "shape")
+
+    def __init__(self, data, qtype, shape: tuple[int, int]):
+        qtype = _as_type(qtype)
+        if qtype not in SUPPORTED_TYPES:
+            raise ValueError(f"{qtype.name} is not a supported block format; supported: "
+                             f"{sorted(t.name for t in SUPPORTED_TYPES)}")
+        n, k = (int(v) for v in shape)
+        block, size = GGML_QUANT_SIZES[qtype]
+        if k % block:
+            raise ValueError(f"{qtype.name} needs K to be a multiple of {block}, got shape {(n, k)}")
+        row_bytes = k // block * size
+        if isinstance(data, np.ndarray):
+            with warnings.catch_warnings():  # a read-only memory map is fine: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(data.view(np.uint8))
+        if data.dtype != torch.uint8 or data.numel() != n * row_bytes:
+            raise ValueError(f"{qtype.name} [{n}, {k}] needs {n * row_bytes} bytes, got {data.numel()} "
+                             f"of {data.dtype}")
+        self.data = data.reshape(n, row_bytes)
+        self.qtype = qtype
+        self.shape = (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def __repr__(self) -> str:
+        return f"QTensor({self.qtype.name}, shape={self.shape})"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequantize(self.data, self.qtype, self.shape[1]).to(dtype)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(ids), K]: only the rows asked for (an embedding lookup)."""
+        return _dequantize(self.data[ids.reshape(-1).to(torch.long)], self.qtype, self.shape[1])
+
+    def select_rows(self, index) -> "QTensor":
+        index = torch.as_tensor(index, dtype=torch.long)
+        return QTensor(self.data[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
+
+    @staticmethod
+    def cat(parts: list["QTensor"]) -> "QTensor":
+        first = parts[0]
+        for p in parts[1:]:
+            if p.qtype != first.qtype or p.shape[1] != first.shape[1]:
+                raise ValueError(f"cannot concatenate {first!r} with {p!r}: formats and K must match")
+        return QTensor(torch.cat([p.data for p in parts]), first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+def _dequantize(data: torch.Tensor, qtype: T, k: int) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    arr = dequantize(data.contiguous().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(data.shape[0], k))
+
+
+def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp32 [M, K] @ w^T (+ bias) -> fp32 [M, N]. Rows are independent of each other bit for bit."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"qlinear needs fp32 x of shape [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    lib = _get()
+    if lib is None:
+        y = x @ w.dequantize().t()
+    else:
+        y = run_qlinear(lib, x, w)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def run_qlinear(lib: ctypes.CDLL, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """The kernel call without checks (`qlinear` makes them): x fp32 [M, K] on the CPU."""
+    x = x.contiguous()
+    m = x.shape[0]
+    n, k = w.shape
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        act = torch.empty(m * lib.specfleet_q_act_row_bytes(int(w.qtype), k), dtype=torch.uint8)
+        rc = lib.specfleet_q_linear(int(w.qtype), w.data.data_ptr(), w.data.shape[1], n, k, x.data_ptr(), m,
+                                    y.data_ptr(), act.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the native kernel refused {w!r}")
+    return y
+
+
+def quantize(weight: torch.Tensor, qtype) -> QTensor:
+    """A dense [N, K] weight in block format `qtype` (Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K)."""
+    qtype = _as_type(qtype)
+    if weight.dim() != 2:
+        raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    arr = weight.detach().float().cpu().numpy()
+    if qtype == T.Q4_K:
+        data = _quantize_q4_k(arr)
+    elif qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):
+        from gguf.quants import quantize as gguf_quantize
+
+        block = GGML_QUANT_SIZES[qtype][0]
+        if k % block:
+            raise ValueError(f"{qtype.name} needs K to be a multiple of {block}, got shape {(n, k)}")
+        data = gguf_quantize(arr, qtype)
+    else:
+        raise ValueError(f"cannot quantize to {qtype.name}; choose Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K")
+    return QTensor(np.ascontiguousarray(data).reshape(n, -1), qtype, (n, k))
+
+
+def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K with per-sub-block min/max (w = d*sc*q - dmin*mn), 6-bit scales and mins relative to the
+    super-block's largest; rows [N, K] with K a multiple of 256."""
+    n, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q4_K needs K to be a multiple of 256, got shape {(n, k)}")
+    sub = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(axis=-1), 0.0)  # the min term only ever subtracts
+    hi = sub.max(axis=-1)
+    scale = (hi - lo) / 15.0
+    mins = -lo
+    d = scale.max(axis=-1) / 63.0
+    dmin = mins.max(axis=-1) / 63.0
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    d32, dmin32 = d16.astype(np.float32), dmin16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[..., None] > 0, np.rint(scale / d32[..., None]), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin32[..., None] > 0, np.rint(mins / dmin32[..., None]), 0).clip(0, 63).astype(np.uint8)
+        step = d32[..., None] * sc
+        off = dmin32[..., None] * mn
+        q = np.where(step[..., None] > 0, np.rint((sub + off[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8)  # [n, nb, 8, 32]
+    scales = np.zeros((n, k // 256, 12), dtype=np.uint8)
+    scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    qs = (q[:, :, 0::2, :] | (q[:, :, 1::2, :] << 4)).reshape(n, k // 256, 128)  # low: sub 2c, high: 2c+1
+    out = np.concatenate([d16.view(np.uint8).reshape(n, k // 256, 2), dmin16.view(np.uint8).reshape(n, k // 256, 2),
+                          scales, qs], axis=-1)
+    return out.reshape(n, -1)
