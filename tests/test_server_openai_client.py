@@ -1,6 +1,7 @@
 """The real server in a subprocess, driven by the official `openai` client: explicit nulls in optional
 fields, GET /v1/models/{id}, HEAD /health, and a shutdown that times out with requests still running
-(each gets a complete 503 answer; the server logs no traceback and exits 0)."""
+(each gets a complete 503 answer; the server logs no traceback and exits 0). One in-process test on a
+tiny random model covers a request that arrives once shutdown has begun."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from specfleet.llm import LLM
+from specfleet.server.app import ServerConfig, create_app
 from test_server_harness import MODEL, ServerProcess, start_server, stop_server
-
-pytestmark = pytest.mark.real_model
+from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
 
 SERVED = "specfleet-test/smollm2"  # a slash in the id, as a model given by its folder path has
 PROMPT = "The three primary colors are"
@@ -58,6 +61,7 @@ def create(client: openai.OpenAI, endpoint: str, fields: dict) -> str:
     return got.choices[0].message.content
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("endpoint,nulls", NULL_CASES,
                          ids=[f"{e}-{'+'.join(k for k, v in n.items() if v is None)}" for e, n in NULL_CASES])
 def test_null_means_default(client, endpoint, nulls):
@@ -69,11 +73,13 @@ def test_null_means_default(client, endpoint, nulls):
         assert with_nulls == omitted
 
 
+@pytest.mark.real_model
 def test_null_does_not_make_a_required_field_optional(client):
     with pytest.raises(openai.BadRequestError, match="'messages'"):
         client.chat.completions.create(model=SERVED, messages=None, max_tokens=2)
 
 
+@pytest.mark.real_model
 def test_models_retrieve(client):
     got = client.models.retrieve(SERVED)
     assert got.id == SERVED and got.object == "model" and got.owned_by == "specfleet"
@@ -85,12 +91,14 @@ def test_models_retrieve(client):
         assert caught.value.code == "model_not_found" and repr(unknown) in caught.value.message
 
 
+@pytest.mark.real_model
 def test_head_health(server):
     r = httpx.head(server.url("/health"), timeout=10)
     assert r.status_code == 200 and r.content == b""
     assert httpx.get(server.url("/health"), timeout=10).json() == {"status": "ok"}
 
 
+@pytest.mark.real_model
 def test_shutdown_past_timeout_answers_every_request():
     """SIGTERM with four long requests running and a 1 s --shutdown-timeout: the two non-streamed ones
     get a 503 error body, the two streams a final error event and [DONE], and the server exits 0."""
@@ -151,3 +159,20 @@ def test_shutdown_past_timeout_answers_every_request():
     assert status == 0, log
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
     assert "4 request(s) still running after 1s end with 503" in log and "server stopped" in log
+
+
+def test_request_arriving_during_shutdown_gets_503():
+    model = ours_from_hf(tiny_hf_model("llama"))
+    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    app = create_app(llm, ServerConfig("tiny"))
+    body = {"prompt": random_prompts([6])[0], "max_tokens": 2}
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        timer = client.portal.call(app.state.drain.begin)  # what `specfleet serve` does on SIGTERM
+        try:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "shutting_down" and "accepts no new" in r.json()["error"]["message"]
+            assert client.post("/v1/chat/completions", json={"messages": MESSAGES}).status_code == 503
+        finally:
+            client.portal.call(timer.cancel)

@@ -26,7 +26,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="most requests waiting for their first token; more get HTTP 429")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
+                   help="seconds in-flight requests may take to finish after SIGTERM; then they end with a 503 error")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
