@@ -145,11 +145,20 @@ class QTensor:
         return _dequantize(self.data[ids.reshape(-1).to(torch.long)], self.qtype, self.shape[1])
 
     def select_rows(self, index) -> "QTensor":
-        index = torch.as_tensor(index, dtype=torch.long)
+        """The rows `index` picks (a slice, or a sequence / LongTensor of row ids, repeats allowed) as a new
+        QTensor, e.g. to un-permute q/k or keep the first V rows of an output head."""
+        if isinstance(index, slice):
+            index = torch.arange(self.shape[0])[index]
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        if index.numel() and (int(index.min()) < -self.shape[0] or int(index.max()) >= self.shape[0]):
+            raise IndexError(f"select_rows: row ids must lie in [0, {self.shape[0]}) for {self!r}")
         return QTensor(self.data[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
 
     @staticmethod
     def cat(parts: list["QTensor"]) -> "QTensor":
+        """Rows of `parts` one after another (fusing q/k/v or gate/up): all must share qtype and K."""
+        if not parts:
+            raise ValueError("QTensor.cat needs at least one QTensor")
         first = parts[0]
         for p in parts[1:]:
             if p.qtype != first.qtype or p.shape[1] != first.shape[1]:

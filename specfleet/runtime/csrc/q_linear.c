@@ -1,5 +1,5 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T for weights kept in llama.cpp's GGUF block formats, on x86-64 CPUs
- * with AVX2, FMA and F16C. Written for specfleet; compiled on first use by runtime/qnative.py.
+ * with AVX2, FMA and F16C. Written for specfleet; compiled on first use by runtime/qtensor.py (via runtime/native.py).
  *
  * Block layouts (ggml's, read from the file as they are; "fp16" is IEEE half; values w[i]):
  *   Q4_0  32 weights, 18 B: fp16 d | u8 qs[16]        w[i] = d * (q[i] - 8)
