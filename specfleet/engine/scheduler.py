@@ -13,7 +13,8 @@ Each step's budget (`max_num_batched_tokens`) is filled in two passes.
    share takes only what it needs and leaves the rest to the others. Example: 500 tokens left and
    prompts needing 20, 4000 and 3000 tokens get 20, 240 and 240. So a short prompt that arrives
    during a long prefill is prefilled in its next step, and the long one still progresses by at
-   least 1/max_num_prefills of the left-over budget per step. A partly prefilled request gets no
+   least 1/max_num_prefills of the left-over budget per step (decode rows come first: a step whose
+   decode rows fill the budget prefills nothing). A partly prefilled request gets no
    draft and emits no token until its last chunk (`ScheduledRequest.completes_sequence`).
 
 Memory: when the cache has no room for a decode row, the pending draft is dropped first; then the
