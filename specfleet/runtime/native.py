@@ -48,12 +48,12 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= words
 
 
-def _build(out: Path, compiler: str, source: Path = SOURCE, flags: list[str] = FLAGS) -> None:
+def _build(out: Path, compiler: str, sources: list[Path] | None = None, flags: list[str] = FLAGS) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, str(source), "-o", tmp]
+        cmd = [compiler, *flags, *(str(s) for s in sources or [SOURCE]), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -63,26 +63,30 @@ def _build(out: Path, compiler: str, source: Path = SOURCE, flags: list[str] = F
             os.unlink(tmp)
 
 
-def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
-    """Build `source` into `<cache root>/native/` (named by a hash of the source and the command, so an
-    edited kernel is rebuilt; in the temp directory if the cache is read-only) and load it. Raises with
-    the reason where it cannot (see `missing_prerequisite`)."""
+def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Build `source` (one C file, or several linked into one library) into `<cache root>/native/`
+    (named by a hash of the sources, the `headers` they include and the command, so an edited kernel is
+    rebuilt; in the temp directory if the cache is read-only) and load it. Raises with the reason where
+    it cannot (see `missing_prerequisite`)."""
     missing = missing_prerequisite()
     if missing is not None:
         raise RuntimeError(missing)
+    sources = [source] if isinstance(source, Path) else list(source)
     compiler = _compiler()
     from specfleet.models.registry import cache_root
 
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    name = f"{source.stem}-{key}.so"
+    digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
+    for path in [*sources, *headers]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    name = f"{sources[0].stem}-{digest.hexdigest()[:16]}.so"
     path = cache_root() / "native" / name
     if not path.exists():
         try:
-            _build(path, compiler, source, flags)
+            _build(path, compiler, sources, flags)
         except OSError:  # the cache is not writable (a read-only home): build in the temp directory
             path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
             if not path.exists():
-                _build(path, compiler, source, flags)
+                _build(path, compiler, sources, flags)
     return ctypes.CDLL(str(path))
 
 

@@ -1,9 +1,9 @@
-"""Weights kept in a GGUF block format, and their products: the Python side of csrc/q_linear.c.
+"""Weights kept in a GGUF block format, and their products: the Python side of csrc/q_*.c.
 
 A `QTensor` is a 2-D weight [N, K] (N output rows, K inputs) stored as llama.cpp stores it: each row
 is K / block_size blocks of `type_size` bytes (the layouts are written out at the top of
-csrc/q_linear.c). Its bytes can wrap the GGUF file's read-only memory map, so a model loaded this way
-costs about the file's size in memory.
+csrc/q_legacy.c and csrc/q_kquants.c). Its bytes can wrap the GGUF file's read-only memory map, so a
+model loaded this way costs about the file's size in memory.
 
 `qlinear(x, w)` computes x @ W^T with the native kernel (AVX2 + FMA + F16C + OpenMP, compiled on first
 use into the cache by runtime/native.py and loaded with ctypes, which releases the GIL). The kernel
@@ -11,7 +11,9 @@ quantizes each row of x to int8 on its own and sums in a fixed order, so a row's
 bit the same whatever other rows share the call: verifying k+1 drafted tokens gives each of them
 what decoding it alone gives, which keeps speculation lossless on these weights. Where the kernel
 cannot be built, `available()` is False, `unavailable_reason()` says why, and `qlinear` falls back
-to dequantizing (slow, for tests and odd machines; the model loader prefers dense weights then).
+to dequantizing (slow, for tests and odd machines; the model loader prefers dense weights then). The
+same kernel serves every row count (decode, verification, prefill), so batch invariance holds for
+every batch composition; there is no BLAS route above some M.
 
 Formats: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K (`SUPPORTED_TYPES`). F32/F16/BF16 matrices are not
 QTensors: callers keep them dense. `quantize` writes Q4_0, Q4_1, Q5_0 and Q8_0 through gguf-py's
@@ -35,7 +37,11 @@ from specfleet.runtime import native
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K})
-SOURCE = Path(__file__).with_name("csrc") / "q_linear.c"
+K_TYPES = frozenset({T.Q4_K, T.Q6_K})  # 256-weight super-blocks
+FALLBACK_ROWS = 4096  # weight rows the fallback dequantizes at a time
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c"]  # linked into one library
+HEADERS = (_CSRC / "q_common.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 ABI = 1
 
@@ -61,7 +67,7 @@ def _load() -> ctypes.CDLL:
     missing = _missing()
     if missing is not None:
         raise RuntimeError(missing)
-    lib = native.compile_library(SOURCE, FLAGS)
+    lib = native.compile_library(SOURCES, FLAGS, HEADERS)
     if lib.specfleet_q_abi() != ABI:
         raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_q_abi()}, expected {ABI}")
     fn = lib.specfleet_q_linear
@@ -174,17 +180,40 @@ def _dequantize(data: torch.Tensor, qtype: T, k: int) -> torch.Tensor:
 
 
 def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x fp32 [M, K] @ w^T (+ bias) -> fp32 [M, N]. Rows are independent of each other bit for bit."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"qlinear needs fp32 x of shape [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    """x fp32 [M, K] @ w^T (+ bias) -> fp32 [M, N].
+
+    With the native kernel a row's result is bit for bit the same whatever other rows share the call
+    and whatever the thread count. The fallback computes the same quantity (x rounded through the
+    kernel's per-block int8, `quantize_activations`, times the dequantized weight) with torch, equal
+    to the kernel's up to fp32 rounding; it dequantizes FALLBACK_ROWS weight rows at a time and keeps
+    nothing."""
+    if not isinstance(w, QTensor):
+        raise TypeError(f"qlinear needs a QTensor weight, got {type(w).__name__}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != w.shape[1] or x.device.type != "cpu":
+        raise ValueError(f"qlinear needs fp32 CPU x of shape [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ValueError(f"qlinear: bias of shape {tuple(bias.shape)} does not match {w!r}")
     lib = _get()
     if lib is None:
-        y = x @ w.dequantize().t()
+        xq = quantize_activations(x, w.qtype)
+        y = torch.cat([xq @ _dequantize(w.data[n0:n0 + FALLBACK_ROWS], w.qtype, w.shape[1]).t()
+                       for n0 in range(0, w.shape[0], FALLBACK_ROWS)], dim=1) if w.shape[0] else x.new_zeros(len(x), 0)
     else:
         y = run_qlinear(lib, x, w)
     if bias is not None:
-        y += bias
+        y += bias.float()
     return y
+
+
+def quantize_activations(x: torch.Tensor, qtype) -> torch.Tensor:
+    """x fp32 [M, K] as the kernel sees it: each block of 32 values (256 for the K formats) rounded to
+    int8 with scale amax / 127 (round half to even), returned dequantized in fp32."""
+    block = 256 if _as_type(qtype) in K_TYPES else 32
+    xb = x.float().reshape(x.shape[0], -1, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
 def run_qlinear(lib: ctypes.CDLL, x: torch.Tensor, w: QTensor) -> torch.Tensor:

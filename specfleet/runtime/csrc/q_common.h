@@ -1,0 +1,84 @@
+/* Shared by specfleet's GGUF block-format kernels (q_legacy.c, q_kquants.c, driven by q_linear.c):
+ * the int8 activation blocks, small AVX2 helpers, and the tiled loop every format runs.
+ *
+ * Activations are quantized per row to int8 before any product, one scale per 32 values (xq32, for
+ * the 32-weight formats) or per 256 with the sums of every 16 quants (xq256, for the K formats):
+ * x[i] ~= d * q[i], d = amax / 127, q = round-half-even(x[i] * 127 / amax). The inner products are
+ * then integer: a weight's unsigned quant times the activation's signed quant by
+ * _mm256_maddubs_epi16, widened by _mm256_madd_epi16.
+ *
+ * Batch invariance: an output y[m, n] is always computed by the same instruction sequence over the
+ * same blocks in the same order, whatever M is, which rows share a tile and which thread runs it
+ * (threads split weight rows only; K is never split). Speculative verification therefore gives each
+ * verified row bit for bit what decoding it alone gives. */
+#ifndef SPECFLEET_Q_COMMON_H
+#define SPECFLEET_Q_COMMON_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define TILE 8 /* activation rows multiplied by each unpacked weight row at once */
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
+
+typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;            /* 40 B */
+typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B */
+
+/* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into y[M, N] */
+typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,
+                        int64_t c0, int64_t c1, int64_t n0, int64_t n1, int64_t N, float *y);
+
+cols_fn sfq_legacy_columns(int type);  /* q_legacy.c; 0 for another type */
+cols_fn sfq_kquant_columns(int type);  /* q_kquants.c; 0 for another type */
+void sfq_quantize_row32(const float *x, int64_t K, xq32 *out);
+void sfq_quantize_row256(const float *x, int64_t K, xq256 *out);
+
+ALWAYS_INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum over pairs of u8 * i8 products, widened to 8 int32 lanes */
+ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+#define ACC_INIT(R)                                             \
+    __m256 acc[TILE];                                              \
+    float cacc[TILE];                                              \
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.0f; } \
+    (void)cacc;
+
+/* Output columns [n0, n1) for activation rows [c0, c1) of one format: FN is inlined with a constant
+ * tile height, so the loops over a weight row's blocks carry no dispatch. */
+#define DEFINE_COLUMNS(NAME, FN, XT)                                                              \
+    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, int64_t N, float *y) {          \
+        for (int64_t n = n0; n < n1; n++) {                                                       \
+            const uint8_t *wrow = W + n * row_bytes;                                              \
+            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
+                const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
+                const XT *xs[TILE];                                                               \
+                float out[TILE];                                                                  \
+                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);             \
+                switch (R) {                                                                      \
+                case 1: FN(wrow, nb, xs, 1, out); break;                                          \
+                case 2: FN(wrow, nb, xs, 2, out); break;                                          \
+                case 3: FN(wrow, nb, xs, 3, out); break;                                          \
+                case 4: FN(wrow, nb, xs, 4, out); break;                                          \
+                case 5: FN(wrow, nb, xs, 5, out); break;                                          \
+                case 6: FN(wrow, nb, xs, 6, out); break;                                          \
+                case 7: FN(wrow, nb, xs, 7, out); break;                                          \
+                default: FN(wrow, nb, xs, 8, out); break;                                         \
+                }                                                                                 \
+                for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = out[r];                         \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+#endif

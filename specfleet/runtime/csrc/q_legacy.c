@@ -1,0 +1,159 @@
+/* The 32-weight GGUF formats for specfleet's block-format kernels (see q_common.h): one weight row
+ * against up to TILE int8 activation rows, and the activation quantizer for 32-value blocks.
+ *
+ * Block layouts (ggml's, read from the file as they are; "fp16" is IEEE half; values w[i]):
+ *   Q4_0  32 weights, 18 B: fp16 d | u8 qs[16]        w[i] = d * (q[i] - 8)
+ *   Q4_1  32 weights, 20 B: fp16 d | fp16 m | qs[16]  w[i] = d * q[i] + m
+ *   (in Q4_0, Q4_1 and Q5_0, qs[j] low nibble is q[j], high nibble is q[j + 16])
+ *   Q5_0  32 weights, 22 B: fp16 d | u8 qh[4] | qs[16] w[i] = d * ((q[i] | h[i] << 4) - 16),
+ *         h[i] = bit i of the little-endian 32-bit qh
+ *   Q8_0  32 weights, 34 B: fp16 d | i8 qs[32]        w[i] = d * qs[i]
+ * The products: nibbles (and Q5_0's fifth bit) unpacked to unsigned bytes, times the activation quants
+ * by maddubs/madd; the -8 / -16 offsets come off through the activation block's quant sum, Q4_1's
+ * m term is m * d_x * sum, Q8_0's signed quants move their sign onto the activation (sign_epi8).
+ * Per block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator. */
+#include "q_common.h"
+
+/* 32 floats -> 32 int8 (round to nearest) with scale d = amax / 127; returns the quants' sum. */
+ALWAYS_INLINE int32_t quant32(const float *x, int8_t *q, float *d_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float mx = _mm_cvtss_f32(m);
+    const float d = mx / 127.0f;
+    const float id = mx > 0.0f ? 127.0f / mx : 0.0f;
+    *d_out = d;
+    const __m256 mul = _mm256_set1_ps(id);
+    __m256i i32[4];
+    for (int i = 0; i < 4; i++)
+        i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    /* pack 32 int32 -> 32 int8; packs work per 128-bit lane, so restore the order afterwards */
+    __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+    __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+    return _mm_cvtsi128_si32(s);
+}
+
+void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
+    for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
+}
+
+typedef struct { uint16_t d; uint8_t qs[16]; } b_q4_0;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } b_q4_1;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } b_q5_0;
+typedef struct { uint16_t d; int8_t qs[32]; } b_q8_0;
+
+/* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31) */
+ALWAYS_INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i lo_mask = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(q, lo_mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), lo_mask);
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* the 32 bits of qh -> 32 bytes, 0x10 where the bit is set */
+ALWAYS_INLINE __m256i highbits32(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    __m256i v = _mm256_set1_epi32((int)bits);
+    /* byte i takes byte i / 8 of the word, then keeps bit i % 8 */
+    v = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+ALWAYS_INLINE void dot_q4_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q4_0 *w = (const b_q4_0 *)wrow;
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d);
+        const __m256i q = nibbles32(w[b].qs);
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = &x[r][b];
+            __m256i p = dot_u8i8(q, _mm256_loadu_si256((const __m256i *)xb->q));
+            p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * xb->sum, 0, 0, 0, 0, 0, 0, 0));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q4_1 *w = (const b_q4_1 *)wrow;
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d), m = h2f(w[b].m);
+        const __m256i q = nibbles32(w[b].qs);
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = &x[r][b];
+            __m256i p = dot_u8i8(q, _mm256_loadu_si256((const __m256i *)xb->q));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+            cacc[r] += m * (xb->d * (float)xb->sum);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + cacc[r];
+}
+
+ALWAYS_INLINE void dot_q5_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q5_0 *w = (const b_q5_0 *)wrow;
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d);
+        const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), highbits32(w[b].qh));
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = &x[r][b];
+            __m256i p = dot_u8i8(q, _mm256_loadu_si256((const __m256i *)xb->q));
+            p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * xb->sum, 0, 0, 0, 0, 0, 0, 0));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+ALWAYS_INLINE void dot_q8_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q8_0 *w = (const b_q8_0 *)wrow;
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        const __m256i aq = _mm256_sign_epi8(q, q); /* |w|, and the sign moves onto x */
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = &x[r][b];
+            const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q);
+            __m256i p = dot_u8i8(aq, sx);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)
+DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
+DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
+DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
+
+cols_fn sfq_legacy_columns(int type) {
+    switch (type) {
+    case T_Q4_0: return cols_q4_0;
+    case T_Q4_1: return cols_q4_1;
+    case T_Q5_0: return cols_q5_0;
+    case T_Q8_0: return cols_q8_0;
+    default: return 0;
+    }
+}
