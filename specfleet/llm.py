@@ -110,7 +110,7 @@ class LLM:
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
         proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
-                                  quantization=self.quantization)
+                                  quantization=self.quantization, target_tokenizer=self.tokenizer)
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)

@@ -13,6 +13,7 @@ import torch
 from specfleet.errors import InvalidRequestError
 from specfleet.spec import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
 from specfleet.spec.compose import MODEL_ALIASES, LoadModel, Node, apply_options, leaf_names, leaves, parse
+from specfleet.spec.cross_vocab import cross_vocab_draft
 from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.spec.fleet import FleetConfig, FleetProposer
 from specfleet.spec.length import LengthConfig, LengthController
@@ -45,17 +46,19 @@ class SpecConfig:
 
 
 def build_proposer(draft: str | None, spec: SpecConfig, target_vocab_size: int, dtype: torch.dtype,
-                   device: torch.device, quantization: str | None = None) -> Proposer | None:
+                   device: torch.device, quantization: str | None = None, target_tokenizer=None) -> Proposer | None:
+    """`target_tokenizer` lets a draft model of another vocabulary draft through text (spec/cross_vocab.py)."""
     if draft is None or draft.strip().lower() in ("", "none"):
         return None
     node = parse(draft)
-    return build(node, spec, ModelCache(dtype, device, leaf_names(node), quantization), target_vocab_size, device)
+    return build(node, spec, ModelCache(dtype, device, leaf_names(node), quantization), target_vocab_size, device,
+                 target_tokenizer)
 
 
 def build(spec_text: str | Node, spec: SpecConfig, load_model: LoadModel, target_vocab_size: int | None = None,
-          device: torch.device | str = "cpu") -> Proposer:
+          device: torch.device | str = "cpu", target_tokenizer=None) -> Proposer:
     node = parse(spec_text) if isinstance(spec_text, str) else spec_text
-    return _Builder(spec, load_model, target_vocab_size, torch.device(device)).build(node)
+    return _Builder(spec, load_model, target_vocab_size, torch.device(device), target_tokenizer).build(node)
 
 
 def layer_cut(model, num_layers: int):
@@ -112,8 +115,10 @@ def _guess(raw: str):
 
 
 class _Builder:
-    def __init__(self, spec: SpecConfig, load_model: LoadModel, vocab: int | None, device: torch.device):
+    def __init__(self, spec: SpecConfig, load_model: LoadModel, vocab: int | None, device: torch.device,
+                 target_tokenizer=None):
         self.spec, self.load_model, self.vocab, self.device = spec, load_model, vocab, device
+        self.target_tokenizer = target_tokenizer
         self.shared: dict[str, Proposer] = {}  # canonical leaf text -> proposer
         self.ngram_models: dict[tuple, NgramModel] = {}
 
@@ -146,7 +151,7 @@ class _Builder:
             return get_factory(name)(**kwargs)
         return self._model_draft(node, label)
 
-    def _model_draft(self, node: Node, label: str) -> DraftModelProposer:
+    def _model_draft(self, node: Node, label: str) -> Proposer:
         spec = self.spec
         cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes,
                                spec.draft_kv_cache_bytes)
@@ -155,7 +160,10 @@ class _Builder:
         cfg = apply_options(cfg, options, f"draft model {node.name!r}", MODEL_ALIASES)
         quant = node.options.get("quant")
         model = self.load_model(node.name) if quant is None else self.load_model(node.name, quantization=quant)
-        return DraftModelProposer(model, label, cfg, self.vocab, self.device)
+        # a model of another vocabulary drafts through text
+        cross = cross_vocab_draft(model, node.name, label, cfg, self.vocab, self.target_tokenizer, self.load_model,
+                                  self.device)
+        return cross if cross is not None else DraftModelProposer(model, label, cfg, self.vocab, self.device)
 
     def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
         key = (cfg.order, cfg.min_count, cfg.path)  # one set of tables per distinct setting, shared
@@ -177,6 +185,9 @@ class _Builder:
         # its own DraftModelProposer (the weights are shared): a draft cache must not be drafted from
         # twice in one step, which a vote over `m` and `m+ngram` would otherwise do
         draft = self._model_draft(inner, str(inner))
+        if not isinstance(draft, DraftModelProposer):
+            raise InvalidRequestError(f"'{node}': the n-gram stage drafts in the target's vocabulary, and "
+                                      f"{inner.name!r} has another tokenizer; use {inner.name!r} without +ngram")
         ngram = self._ngram_model(tables)
         staged = StagedProposer(draft, ngram, cfg)
         staged.name = str(node)
