@@ -14,6 +14,7 @@
 
 #define XCHUNK 64 /* activation rows swept per weight row before moving on */
 #define RCH 16    /* weight rows per scheduled chunk */
+#define QUANT_PAR_ROWS 32 /* fewer rows are quantized on one thread: cheaper than another fork and join */
 
 static int is_k_type(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
@@ -38,7 +39,7 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = K / qk;
     uint8_t *a = (uint8_t *)act;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 1 && num_threads > 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= QUANT_PAR_ROWS && num_threads > 1)
     for (int64_t m = 0; m < M; m++) {
         if (kq) sfq_quantize_row256(x + m * K, K, (xq256 *)(a + m * arb));
         else sfq_quantize_row32(x + m * K, K, (xq32 *)(a + m * arb));

@@ -1,0 +1,122 @@
+"""How the native GGUF block-format kernels (runtime/qtensor.py, csrc/q_*.c) scale with the number of rows.
+
+For each format, one decoder layer's four linear layers at the Qwen2.5-Coder-1.5B shapes (qkv, o,
+gate_up, down; plus the 151936-row output head with --head) are kept in that format with random
+valid blocks, and one forward through them is timed with 1..128 rows (tokens). Printed: the time, the
+ratio to one row (what verifying k+1 drafted tokens costs in decode steps), GB/s of weights read at
+one row and GFLOP/s at the largest row count. For comparison the same shapes run as bf16 through
+torch's `F.linear` ("bf16 torch") and through the project's bf16 routes ("bf16 specfleet",
+runtime/cpu_linear.py: the native bf16 kernel for few rows). Systems alternate within every repeat
+and the best repeat counts, since the machine may be shared.
+
+    .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
+    .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from specfleet.bench.report import md_table, write_results
+from specfleet.runtime import model as model_mod
+from specfleet.runtime import qtensor
+from specfleet.runtime.qtensor import QTensor, qlinear
+
+# Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused); [N, K]
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+HEAD = {"head": (151936, 1536)}
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+
+
+def random_weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> QTensor:
+    """Random quants with small fp16 scales: the kernels' speed does not depend on the values."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scale = np.full((n, k // block), 1e-3, np.float16).view(np.uint8).reshape(n, k // block, 2)
+    for offset in ([size - 2] if qtype == T.Q6_K else [0, 2] if qtype in (T.Q4_1, T.Q4_K) else [0]):
+        raw[:, :, offset:offset + 2] = scale
+    return QTensor(raw.reshape(n, -1), qtype, (n, k))
+
+
+def quant_fns(qtype: T, shapes: dict, rng) -> list:
+    ws = [random_weight(qtype, n, k, rng) for n, k in shapes.values()]
+    return [(lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
+
+
+def bf16_fns(kind: str, shapes: dict) -> list:
+    fns = []
+    for n, k in shapes.values():
+        cls = model_mod.Linear if kind == "bf16 specfleet" else torch.nn.Linear
+        lin = cls(k, n, bias=False).to(torch.bfloat16)
+        fns.append((lin, k, torch.bfloat16, n * k * 2))
+    return fns
+
+
+@torch.inference_mode()
+def time_all(systems: dict, rows: list[int], repeats: int) -> dict:
+    """Best time of one pass through each system's layers, per row count; systems alternate order."""
+    best = {name: {} for name in systems}
+    for m in rows:
+        xs = {name: [torch.randn(m, k, dtype=dt) for _, k, dt, _ in fns] for name, fns in systems.items()}
+        order = list(systems)
+        for rep in range(repeats + 1):  # the first pass warms up
+            for name in (order if rep % 2 == 0 else order[::-1]):
+                t0 = time.perf_counter()
+                for (f, _, _, _), x in zip(systems[name], xs[name]):
+                    f(x)
+                dt = time.perf_counter() - t0
+                if rep:
+                    best[name][m] = min(best[name].get(m, float("inf")), dt)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 9, 16, 32, 128])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--head", action="store_true", help="also the 151936 x 1536 output head")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not qtensor.available():
+        print(f"the native kernels are UNAVAILABLE here ({qtensor.unavailable_reason()}): timing the fallback")
+    shapes = {**SHAPES, **(HEAD if args.head else {})}
+    rng = np.random.default_rng(0)
+    systems = {name: quant_fns(T[name], shapes, rng) for name in args.formats}
+    systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
+    systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
+    best = time_all(systems, args.rows, args.repeats)
+    flops_per_row = 2 * sum(n * k for n, k in shapes.values())
+    table, one = [], args.rows[0]
+    for name, times in best.items():
+        nbytes = sum(b for *_, b in systems[name])
+        for m, t in times.items():
+            table.append({"weights": name, "rows": m, "ms": 1e3 * t, "vs_one_row": t / times[one],
+                          "GB_per_s": nbytes / t / 1e9 if m == 1 else None,
+                          "GFLOP_per_s": flops_per_row * m / t / 1e9})
+        top = max(times)
+        print(f"{name:15} 1 row {1e3 * times[one]:7.2f} ms ({nbytes / times[one] / 1e9:5.1f} GB/s)  "
+              + " ".join(f"{m}:{times[m] / times[one]:.2f}x" for m in args.rows[1:])
+              + f"  {top} rows {flops_per_row * top / times[top] / 1e9:6.1f} GFLOP/s", flush=True)
+    payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(),
+               "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
+               "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
+    body = ("One pass through the linear layers " + ", ".join(f"{k} {n}x{kk}" for k, (n, kk) in shapes.items())
+            + " (N x K) with random weights in each block format (runtime/qtensor.py's native kernels: int8 "
+            "activations, integer dot products), against bf16 weights through torch's F.linear and through "
+            "specfleet's bf16 routes (runtime/cpu_linear.py). Best of repeats, systems alternating; "
+            f"{torch.get_num_threads()} threads. GB_per_s: weight bytes read per second at one row; "
+            "GFLOP_per_s: 2 x rows x weights per second.\n\n"
+            + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))
+    print(write_results("qkernels", payload, body, device="cpu", dtype="gguf blocks / bf16"))
+
+
+if __name__ == "__main__":
+    main()
