@@ -148,7 +148,12 @@ class QTensor:
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [len(ids), K]: only the rows asked for (an embedding lookup)."""
-        return _dequantize(self.data[ids.reshape(-1).to(torch.long)], self.qtype, self.shape[1])
+        return _dequantize(self._gather(ids), self.qtype, self.shape[1])
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 [len(ids), row_bytes], a copy. numpy's gather: torch's row indexing of a wide uint8
+        matrix took ~11 ms for 9-128 rows of the 1.5B's embedding here, numpy's takes ~25 us."""
+        return torch.from_numpy(self.data.numpy()[ids.reshape(-1).to(torch.long).numpy()])
 
     def select_rows(self, index) -> "QTensor":
         """The rows `index` picks (a slice, or a sequence / LongTensor of row ids, repeats allowed) as a new
@@ -158,7 +163,7 @@ class QTensor:
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         if index.numel() and (int(index.min()) < -self.shape[0] or int(index.max()) >= self.shape[0]):
             raise IndexError(f"select_rows: row ids must lie in [0, {self.shape[0]}) for {self!r}")
-        return QTensor(self.data[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
+        return QTensor(self._gather(index), self.qtype, (int(index.numel()), self.shape[1]))
 
     @staticmethod
     def cat(parts: list["QTensor"]) -> "QTensor":
