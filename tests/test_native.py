@@ -87,3 +87,19 @@ def test_unavailable_kernel_reports_why_and_routes_fall_back(monkeypatch, tmp_pa
         with pytest.raises(RuntimeError, match="unavailable"):
             native.bf16_linear(x, w)
         monkeypatch.undo()  # the real kernel state comes back for the next case and the other tests
+
+
+@needs_native
+def test_compiled_library_is_named_by_its_sources_and_headers(monkeypatch, tmp_path):
+    """Several sources link into one library whose cached name hashes every source and the headers they
+    include, so editing a header rebuilds it (the GGUF kernels share csrc/q_common.h)."""
+    monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "k.h").write_text("#define K 3\n")
+    (tmp_path / "a.c").write_text('#include "k.h"\nint b(void);\nint a(void) { return K + b(); }\n')
+    (tmp_path / "b.c").write_text("int b(void) { return 4; }\n")
+    sources, flags = [tmp_path / "a.c", tmp_path / "b.c"], ["-O1", "-fPIC", "-shared"]
+    first = native.compile_library(sources, flags, (tmp_path / "k.h",))
+    assert first.a() == 7
+    (tmp_path / "k.h").write_text("#define K 5\n")
+    second = native.compile_library(sources, flags, (tmp_path / "k.h",))
+    assert second._name != first._name and second.a() == 9
