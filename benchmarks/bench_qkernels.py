@@ -7,7 +7,9 @@ ratio to one row (what verifying k+1 drafted tokens costs in decode steps), GB/s
 one row and GFLOP/s at the largest row count. For comparison the same shapes run as bf16 through
 torch's `F.linear` ("bf16 torch") and through the project's bf16 routes ("bf16 specfleet",
 runtime/cpu_linear.py: the native bf16 kernel for few rows). Systems alternate within every repeat
-and the best repeat counts, since the machine may be shared.
+and the best repeat counts, since the machine may be shared. On a shared machine run it with
+OMP_WAIT_POLICY=passive as well: with libgomp's default spinning, a waiting OpenMP thread takes the
+core the working one needs, and every 2-thread kernel here (torch's too) ran 3-10x slower.
 
     .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
     .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
@@ -15,6 +17,7 @@ and the best repeat counts, since the machine may be shared.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -105,14 +108,15 @@ def main() -> None:
         print(f"{name:15} 1 row {1e3 * times[one]:7.2f} ms ({nbytes / times[one] / 1e9:5.1f} GB/s)  "
               + " ".join(f"{m}:{times[m] / times[one]:.2f}x" for m in args.rows[1:])
               + f"  {top} rows {flops_per_row * top / times[top] / 1e9:6.1f} GFLOP/s", flush=True)
-    payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(),
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins)")
+    payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy,
                "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
                "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
     body = ("One pass through the linear layers " + ", ".join(f"{k} {n}x{kk}" for k, (n, kk) in shapes.items())
             + " (N x K) with random weights in each block format (runtime/qtensor.py's native kernels: int8 "
             "activations, integer dot products), against bf16 weights through torch's F.linear and through "
             "specfleet's bf16 routes (runtime/cpu_linear.py). Best of repeats, systems alternating; "
-            f"{torch.get_num_threads()} threads. GB_per_s: weight bytes read per second at one row; "
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}. GB_per_s: weight bytes read per second at one row; "
             "GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))
     print(write_results("qkernels", payload, body, device="cpu", dtype="gguf blocks / bf16"))
