@@ -258,27 +258,68 @@ def test_same_vocabulary_stays_a_plain_draft(pair):
         make_proposer(pair, "copy", "x+ngram")
 
 
-def test_draft_kv_follows_the_text(pair):
-    """After the first catch-up (the prompt), each draft feeds only a few new draft tokens: the cache is
-    rolled back to the common prefix, never re-prefilled."""
-    target, tok, _ = pair
-    proposer = make_proposer(pair, "copy")
-    fed = []
-    execute = proposer.inner.runner.execute
+class CacheSpy:
+    """Rebuilds a chain draft's cache contents from what it feeds where, and after every draft checks
+    that the cache held the draft tokens of the committed text when drafting began."""
 
-    def spy(items, blocks, _execute=execute):
-        fed.append(sum(len(item.token_ids) for item in items))
-        return _execute(items, blocks)
+    def __init__(self, proposer: CrossVocabProposer, draft_tok: Tokenizer):
+        self.proposer, self.draft_tok = proposer, draft_tok
+        self.fed: list[int] = []  # tokens fed per forward
+        self.cache: list[int] = []
+        self._execute, self._propose = proposer.inner.runner.execute, proposer.propose
+        proposer.inner.runner.execute, proposer.propose = self.execute, self.propose
 
-    proposer.inner.runner.execute = spy
+    def execute(self, items, blocks):
+        (item,) = items
+        del self.cache[item.context_len:]
+        self.cache.extend(item.token_ids)
+        self.fed.append(len(item.token_ids))
+        return self._execute(items, blocks)
+
+    def propose(self, requests):
+        n = len(self.fed)
+        trees = self._propose(requests)
+        (r,) = requests
+        steps_after = len(self.fed) - n - 1  # single-token drafting steps after the catch-up forward
+        held = self.cache[:len(self.cache) - steps_after]
+        assert self.draft_tok.decode(held) == self.proposer._states[r.request_id].committed.text
+        return trees
+
+
+@pytest.mark.parametrize("kind", ["copy", "split"])
+def test_draft_kv_follows_the_text(pair, kind):
+    """After the first catch-up (the prompt) each draft feeds only a few new tokens (rollback, never a
+    re-prefill), and the cache always holds the committed text's draft tokens."""
+    target, tok, drafts = pair
+    proposer = make_proposer(pair, kind)
+    spy = CacheSpy(proposer, drafts[kind][1])
     prompt = tok.encode(PROMPTS[0]).ids
     run_to_completion(make_engine(target, proposer), [prompt], SamplingParams(temperature=0, max_tokens=60,
                                                                                ignore_eos=True))
     k = proposer.config.num_speculative_tokens
-    catch_ups = fed[::k]
+    catch_ups = spy.fed[::k]
     assert catch_ups[0] >= len(prompt) // 2  # the prompt's text, in draft tokens
     assert len(catch_ups) > 5 and max(catch_ups[1:]) <= 12, catch_ups
-    assert set(fed) - set(catch_ups) <= {1}
+    assert set(spy.fed) - set(catch_ups) <= {1}
+
+
+def test_a_word_completed_by_the_target_is_re_tokenized_in_the_draft_cache(pair):
+    """The draft read " m" at the end of the committed text; the target then wrote "at", and the draft
+    tokenizer spells " mat" as one token: the cache drops " m" and feeds " mat"."""
+    target, tok, drafts = pair
+    from specfleet.engine.request import Request
+
+    draft_tok = drafts["copy"][1]
+    assert len(draft_tok.encode(" mat").ids) == 1
+    proposer = make_proposer(pair, "copy")
+    spy = CacheSpy(proposer, draft_tok)
+    req = Request("r", tok.encode("the cat sat on the m").ids, GREEDY)
+    proposer.propose([req])
+    req.output_token_ids = tok.encode("at on").ids
+    proposer.propose([req])  # the spy checks the cache against "the cat sat on the mat on"
+    assert spy.cache[len(draft_tok.encode("the cat sat on the").ids)] == draft_tok.encode(" mat").ids[0]
+    proposer.release("r")
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
 def test_no_leak_under_preemption_and_aborts(pair):
@@ -304,7 +345,7 @@ def test_no_leak_under_preemption_and_aborts(pair):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. sampling: the chi-square harness with a target of 8 tokens and a draft of 7 other tokens
+# 4. sampling: the chi-square harness, a target of 8 tokens and a draft with another tokenizer
 # ------------------------------------------------------------------------------------------------
 def char_bpe(vocab: dict, merges: list) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -314,15 +355,14 @@ def char_bpe(vocab: dict, merges: list) -> Tokenizer:
 
 TARGET_TOK = char_bpe({"a": 0, "b": 1, "c": 2, "d": 3, "ab": 4, "cd": 5, "ba": 6, "abcd": 7},
                       [("a", "b"), ("c", "d"), ("b", "a"), ("ab", "cd")])
-DRAFT_TOK = char_bpe({"a": 0, "b": 1, "c": 2, "d": 3, "da": 4, "cc": 5, "bb": 6}, [("d", "a"), ("c", "c"), ("b", "b")])
 
 
-def small_cross_proposer():
-    hf = tiny_hf_model("llama", seed=3, vocab_size=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.mul_(8.0)  # tied head: sharper rows
-    inner = DraftModelProposer(ours_from_hf(hf), "xdraft", DraftModelConfig(2, kv_cache_bytes=8 << 20))
-    return CrossVocabProposer(inner, DRAFT_TOK, TARGET_TOK)
+def small_cross_proposer(hf):
+    """The target read through another tokenizer: ids shuffled and the merge c+d removed, so the draft
+    reads "cd" and "abcd" as smaller pieces than the target wrote and agrees with it only partly."""
+    draft_tok, perm = draft_tokenizer_from(TARGET_TOK, drop_every=3)
+    inner = DraftModelProposer(permuted_model(hf, perm), "xdraft", DraftModelConfig(2, kv_cache_bytes=8 << 20))
+    return CrossVocabProposer(inner, draft_tok, TARGET_TOK)
 
 
 @pytest.mark.parametrize("setting,seed0", [("t1", 21_000_000), ("t0.7-k3", 22_000_000)])
@@ -330,7 +370,7 @@ def test_sampled_output_follows_the_target(setup, setting, seed0):  # noqa: F811
     hf, target, _, prompt = setup
     joint = exact_joint(hf, prompt, SamplingParams(**PARAMS[setting]))
     n = 1200
-    samples, stats = generate(target, small_cross_proposer(), prompt, PARAMS[setting], n, seed0)
+    samples, stats = generate(target, small_cross_proposer(hf), prompt, PARAMS[setting], n, seed0)
     assert stats.num_drafted > n // 4
     assert 0.0 < stats.acceptance_rate < 1.0, stats.as_dict()
     p12, p123 = p_values(samples, joint)
@@ -342,7 +382,7 @@ def test_lossy_verifier_is_detected(setup, monkeypatch):  # noqa: F811
     hf, target, _, prompt = setup
     monkeypatch.setattr(engine_module, "verify_sampled", accept_every_draft)
     joint = exact_joint(hf, prompt, SamplingParams(**PARAMS["t1"]))
-    samples, _ = generate(target, small_cross_proposer(), prompt, PARAMS["t1"], 600, 23_000_000)
+    samples, _ = generate(target, small_cross_proposer(hf), prompt, PARAMS["t1"], 600, 23_000_000)
     assert min(p_values(samples, joint)) < ALPHA
 
 
