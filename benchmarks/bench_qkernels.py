@@ -13,6 +13,10 @@ core the working one needs, and every 2-thread kernel here (torch's too) ran 3-1
 
     .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
     .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
+    .venv/bin/python benchmarks/bench_qkernels.py --threads 1 --clock thread   # one core's CPU time
+
+`--clock thread` (with --threads 1) times the CPU the calling thread spent, which other processes on
+a shared machine do not inflate: the steadiest per-core figures there.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ def bf16_fns(kind: str, shapes: dict) -> list:
 
 
 @torch.inference_mode()
-def time_all(systems: dict, rows: list[int], repeats: int) -> dict:
+def time_all(systems: dict, rows: list[int], repeats: int, clock=time.perf_counter) -> dict:
     """Best time of one pass through each system's layers, per row count; systems alternate order."""
     best = {name: {} for name in systems}
     for m in rows:
@@ -69,10 +73,10 @@ def time_all(systems: dict, rows: list[int], repeats: int) -> dict:
         order = list(systems)
         for rep in range(repeats + 1):  # the first pass warms up
             for name in (order if rep % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for (f, _, _, _), x in zip(systems[name], xs[name]):
                     f(x)
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 if rep:
                     best[name][m] = min(best[name].get(m, float("inf")), dt)
     return best
@@ -85,7 +89,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--head", action="store_true", help="also the 151936 x 1536 output head")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="thread: the calling thread's CPU time (needs --threads 1)")
     args = ap.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        ap.error("--clock thread measures one thread's CPU time: use it with --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not qtensor.available():
@@ -95,7 +103,7 @@ def main() -> None:
     systems = {name: quant_fns(T[name], shapes, rng) for name in args.formats}
     systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
     systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
-    best = time_all(systems, args.rows, args.repeats)
+    best = time_all(systems, args.rows, args.repeats, time.thread_time if args.clock == "thread" else time.perf_counter)
     flops_per_row = 2 * sum(n * k for n, k in shapes.values())
     table, one = [], args.rows[0]
     for name, times in best.items():
@@ -116,7 +124,7 @@ def main() -> None:
             + " (N x K) with random weights in each block format (runtime/qtensor.py's native kernels: int8 "
             "activations, integer dot products), against bf16 weights through torch's F.linear and through "
             "specfleet's bf16 routes (runtime/cpu_linear.py). Best of repeats, systems alternating; "
-            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}. GB_per_s: weight bytes read per second at one row; "
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock. GB_per_s: weight bytes read per second at one row; "
             "GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))
     print(write_results("qkernels", payload, body, device="cpu", dtype="gguf blocks / bf16"))
