@@ -172,6 +172,11 @@ def test_construction_wraps_read_only_memory_without_copying(recwarn):
     w = QTensor(raw, T.Q8_0, (4, 64))
     assert w.data.data_ptr() == raw.__array_interface__["data"][0]
     assert not [r for r in recwarn if "writable" in str(r.message)]
+    padded = torch.zeros(4, 2 * 68, dtype=torch.uint8)  # rows with a stride: copied, so the kernel reads rows
+    padded[:, :68] = w.data
+    strided = QTensor(padded[:, :68], T.Q8_0, (4, 64))
+    x = torch.randn(3, 64)
+    assert strided.data.is_contiguous() and torch.equal(qlinear(x, strided), qlinear(x, w))
 
 
 def test_bad_input_is_a_clear_error():

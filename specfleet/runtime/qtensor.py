@@ -132,7 +132,7 @@ class QTensor:
         if data.dtype != torch.uint8 or data.numel() != n * row_bytes:
             raise ValueError(f"{qtype.name} [{n}, {k}] needs {n * row_bytes} bytes, got {data.numel()} "
                              f"of {data.dtype}")
-        self.data = data.reshape(n, row_bytes)
+        self.data = data.reshape(n, row_bytes).contiguous()  # the kernels read rows back to back
         self.qtype = qtype
         self.shape = (n, k)
 
