@@ -14,6 +14,11 @@ core the working one needs, and every 2-thread kernel here (torch's too) ran 3-1
     .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
     .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
     .venv/bin/python benchmarks/bench_qkernels.py --threads 1 --clock thread   # one core's CPU time
+    .venv/bin/python benchmarks/bench_qkernels.py --gguf ~/.cache/specfleet/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+
+`--gguf FILE` times every matrix of a real file instead (its own mix of formats, the output head
+included, the embedding left out): the linear layers' share of one decode step, and of verifying k+1
+rows; it first checks a few rows of each format against gguf-py's dequantization.
 
 `--clock thread` (with --threads 1) times the CPU the calling thread spent, which other processes on
 a shared machine do not inflate: the steadiest per-core figures there.
@@ -55,6 +60,31 @@ def quant_fns(qtype: T, shapes: dict, rng) -> list:
     return [(lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
 
 
+def gguf_fns(path: str) -> tuple[list, dict]:
+    """Every supported matrix of the file but the embedding, as QTensors over its memory map; checks the
+    kernel on 64 rows of the first matrix of each format against gguf-py's dequantization."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    fns, shapes, checked = [], {}, set()
+    for t in GGUFReader(path).tensors:
+        if len(t.shape) != 2 or t.tensor_type not in qtensor.SUPPORTED_TYPES or t.name == "token_embd.weight":
+            continue
+        w = QTensor(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        if w.qtype not in checked:
+            part, x = w.select_rows(slice(0, 64)), torch.randn(3, w.shape[1])
+            ref = qtensor.quantize_activations(x, w.qtype).double() @ torch.from_numpy(
+                dequantize(part.data.numpy(), w.qtype).reshape(part.shape)).double().t()
+            err = float((qlinear(x, part).double() - ref).abs().max() / ref.abs().max())
+            print(f"{w.qtype.name}: {t.name} {w.shape}, kernel vs gguf-py's dequantization: max rel error {err:.1e}")
+            if err > 1e-5:
+                raise SystemExit(f"the {w.qtype.name} kernel disagrees with gguf-py on {t.name}")
+            checked.add(w.qtype)
+        fns.append((lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes))
+        shapes[t.name] = w.shape
+    return fns, shapes
+
+
 def bf16_fns(kind: str, shapes: dict) -> list:
     fns = []
     for n, k in shapes.values():
@@ -89,6 +119,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--head", action="store_true", help="also the 151936 x 1536 output head")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gguf", default=None, help="time every matrix of this GGUF file instead (no bf16 systems)")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: the calling thread's CPU time (needs --threads 1)")
     args = ap.parse_args()
@@ -98,14 +129,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if not qtensor.available():
         print(f"the native kernels are UNAVAILABLE here ({qtensor.unavailable_reason()}): timing the fallback")
-    shapes = {**SHAPES, **(HEAD if args.head else {})}
-    rng = np.random.default_rng(0)
-    systems = {name: quant_fns(T[name], shapes, rng) for name in args.formats}
-    systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
-    systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
+    if args.gguf:
+        fns, shapes = gguf_fns(args.gguf)
+        systems = {"gguf file": fns}
+    else:
+        shapes = {**SHAPES, **(HEAD if args.head else {})}
+        rng = np.random.default_rng(0)
+        systems = {name: quant_fns(T[name], shapes, rng) for name in args.formats}
+        systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
+        systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
     best = time_all(systems, args.rows, args.repeats, time.thread_time if args.clock == "thread" else time.perf_counter)
-    flops_per_row = 2 * sum(n * k for n, k in shapes.values())
     table, one = [], args.rows[0]
+    flops_per_row = 2 * sum(n * k for n, k in shapes.values())
     for name, times in best.items():
         nbytes = sum(b for *_, b in systems[name])
         for m, t in times.items():
@@ -120,12 +155,16 @@ def main() -> None:
     payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy,
                "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
                "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
-    body = ("One pass through the linear layers " + ", ".join(f"{k} {n}x{kk}" for k, (n, kk) in shapes.items())
-            + " (N x K) with random weights in each block format (runtime/qtensor.py's native kernels: int8 "
-            "activations, integer dot products), against bf16 weights through torch's F.linear and through "
-            "specfleet's bf16 routes (runtime/cpu_linear.py). Best of repeats, systems alternating; "
-            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock. GB_per_s: weight bytes read per second at one row; "
-            "GFLOP_per_s: 2 x rows x weights per second.\n\n"
+    if args.gguf:
+        what = f"every matrix of {args.gguf} but the embedding ({len(shapes)} of them, in the file's formats)"
+    else:
+        what = (", ".join(f"{k} {n}x{kk}" for k, (n, kk) in shapes.items()) + " (N x K) with random weights in "
+                "each block format, against bf16 weights through torch's F.linear and through specfleet's bf16 "
+                "routes (runtime/cpu_linear.py)")
+    body = (f"One pass through the linear layers: {what}. Block formats run runtime/qtensor.py's native kernels "
+            "(int8 activations, integer dot products). Best of repeats, systems alternating; "
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock. "
+            "GB_per_s: weight bytes read per second at one row; GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))
     print(write_results("qkernels", payload, body, device="cpu", dtype="gguf blocks / bf16"))
 
