@@ -92,8 +92,9 @@ def test_kernel_matches_float64_reference(qtype, n):
 @needs_native
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_rows_are_bit_identical_whatever_shares_the_call(qtype):
-    """A row's output is the same alone, among all rows, shifted into other tiles and chunks, and under
-    another thread count: verifying k+1 tokens gives each what decoding it alone gives."""
+    """A row's output is the same alone, among all rows, shifted into other tiles and chunks, against a
+    slice of the weight rows, and under another thread count: verifying k+1 tokens gives each what
+    decoding it alone gives."""
     n, k = 133, 6 * block_of(qtype)
     w = random_blocks(qtype, n, k, seed=7)
     torch.manual_seed(1)
@@ -103,6 +104,9 @@ def test_rows_are_bit_identical_whatever_shares_the_call(qtype):
         assert torch.equal(full[i:i + 1], qlinear(x[i:i + 1].contiguous(), w)), i
     for a, b in [(0, 2), (0, 3), (3, 8), (0, 9), (1, 10), (5, 70), (30, 37)]:
         assert torch.equal(full[a:b], qlinear(x[a:b].contiguous(), w)), (a, b)
+    # nor on which weight rows share the call: a fused q/k/v or gate/up gives each part's outputs exactly
+    for a, b in [(0, 1), (5, 70), (17, 133)]:
+        assert torch.equal(full[:, a:b], qlinear(x, w.select_rows(slice(a, b))))
     threads = torch.get_num_threads()
     try:
         for t in (1, 3):
