@@ -117,6 +117,31 @@ def test_rows_are_bit_identical_whatever_shares_the_call(qtype):
 
 
 @needs_native
+def test_concurrent_calls_from_python_threads():
+    """ctypes releases the GIL, so a drafter thread's products overlap the target's: each call keeps its
+    own scratch and OpenMP team, and every result equals the serial one."""
+    import threading
+
+    ws = [random_blocks(q, 96, 512, seed=i) for i, q in enumerate((T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0))]
+    xs = [torch.randn(m, 512) for m in (1, 3, 9, 33)]
+    serial = [[qlinear(x, w) for x in xs] for w in ws]
+    failures = []
+
+    def work(i):
+        for _ in range(20):
+            for j, x in enumerate(xs):
+                if not torch.equal(qlinear(x, ws[i]), serial[i][j]):
+                    failures.append((i, j))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(ws))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@needs_native
 def test_kernel_at_model_shapes_with_bias():
     """K of the 1.5B's hidden size (six super-blocks), many scheduled chunks of rows, with a bias."""
     for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
