@@ -6,7 +6,8 @@ and ctypes releases the GIL for the call, so drafter threads overlap it. OpenMP 
 (`libgomp.so.1`), which resolves to the copy torch has already loaded, so both share one thread pool
 runtime. The library's name carries a hash of the source and the build command, so an edited kernel
 is rebuilt; builds go to a temporary file renamed into place, so concurrent processes never load a
-half-written library.
+half-written library. `compile_library` does the same for other kernels (runtime/qtensor.py builds
+the GGUF block-format kernels from several sources and a shared header, all of them in the hash).
 
 Where the kernel cannot be used (not x86-64 Linux, a CPU without AVX2/FMA, no compiler, a failed
 build, `SPECFLEET_NATIVE=0`) `bf16_linear_available()` is False and callers keep torch's routes;
