@@ -129,6 +129,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if not qtensor.available():
         print(f"the native kernels are UNAVAILABLE here ({qtensor.unavailable_reason()}): timing the fallback")
+    load_before = os.getloadavg()[0]  # other processes on a shared machine: in the report
     if args.gguf:
         fns, shapes = gguf_fns(args.gguf)
         systems = {"gguf file": fns}
@@ -152,7 +153,9 @@ def main() -> None:
               + " ".join(f"{m}:{times[m] / times[one]:.2f}x" for m in args.rows[1:])
               + f"  {top} rows {flops_per_row * top / times[top] / 1e9:6.1f} GFLOP/s", flush=True)
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins)")
+    load = (load_before, os.getloadavg()[0])
     payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy,
+               "load_average_1min": load,
                "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
                "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
     if args.gguf:
@@ -163,7 +166,8 @@ def main() -> None:
                 "routes (runtime/cpu_linear.py)")
     body = (f"One pass through the linear layers: {what}. Block formats run runtime/qtensor.py's native kernels "
             "(int8 activations, integer dot products). Best of repeats, systems alternating; "
-            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock. "
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
+            f"1-minute load average {load[0]:.1f} before and {load[1]:.1f} after (other work shares the cores). "
             "GB_per_s: weight bytes read per second at one row; GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))
     print(write_results("qkernels", payload, body, device="cpu", dtype="gguf blocks / bf16"))
