@@ -398,20 +398,3 @@ def test_draft_without_a_tokenizer_is_a_clear_error(pair):
     with pytest.raises(InvalidRequestError, match="cannot encode and decode text"):
         build("bad", SpecConfig(), loader, target.config.vocab_size, target_tokenizer=tok)
 
-
-def test_drafted_text_lands_on_target_tokens(pair):
-    """Unit check of one propose: the target tree spells the draft's text after the committed text."""
-    target, tok, drafts = pair
-    from specfleet.engine.request import Request
-
-    proposer = make_proposer(pair, "split")
-    req = Request("r", tok.encode("the cat sat on the m").ids, GREEDY)
-    tree = proposer.propose([req])["r"]
-    inner_tokens = proposer._states["r"].held
-    model_text = drafts["split"][1].decode(inner_tokens)
-    assert model_text.startswith("the cat sat on the m")
-    assert tree.is_chain and len(tree) > 0
-    full = tok.decode(req.all_token_ids + tree.token_ids)
-    assert full.startswith("the cat sat on the m") and len(full) > len("the cat sat on the m")
-    proposer.release("r")
-    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

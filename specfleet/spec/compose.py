@@ -12,7 +12,8 @@ Grammar (whitespace is ignored; names are letters, digits and `_ . @ / ~ : -`):
 A NAME is a built-in draft (`prompt-lookup` or `lookup`; `ngram`, the backoff n-gram model; `suffix`,
 suffix-trie drafting over the request's own text and recent outputs), a
 registered proposer, or a model: a registered name (`qwen-0.5b`), `MODEL@N` (its first N layers) or a
-checkpoint path. Options set the fields of the matching config dataclass (DraftModelConfig for a
+checkpoint path. A model whose tokenizer differs from the target's (`smollm2-135m-instruct` for a Qwen
+target) is detected at build time and drafts through text (spec/cross_vocab.py); not with +ngram. Options set the fields of the matching config dataclass (DraftModelConfig for a
 model, PromptLookupConfig, NgramConfig, SuffixConfig (`global` sets use_global), VoteConfig, SelectorConfig,
 LengthConfig for +adaptive,
 StagedConfig for +ngram, which also takes the tables' order, min_count and path); k, width and nodes are short for the depth, the branching and the node

@@ -1,0 +1,95 @@
+"""A draft of another model family against plain decoding, side by side in one run.
+
+A Qwen target (default qwen-0.5b) with SmolLM2-135M-Instruct as cross-vocabulary draft
+(spec/cross_vocab.py), the first N HumanEval prompts (raw completion), greedy, batch 1, weights as
+loaded by default (GGUF files run natively on the CPU). Per prompt the systems run in a rotating order,
+so drift on a shared machine falls on each alike. Prints per system: acceptance rate, mean accepted
+length, tok/s (new tokens over the generate call's wall time, prefill included), and whether every
+output equals plain greedy.
+
+    python benchmarks/bench_cross_vocab.py [--target qwen-0.5b] [--drafts "SPEC;SPEC"]
+                                           [--prompts 4] [--tokens 40] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specfleet import LLM, SamplingParams
+from specfleet.bench.datasets import iter_prompts, select
+
+
+def timed(obj, attr: str, totals: dict, fn, key: str | None = None) -> None:
+    """Replace obj.attr by `fn` that adds its seconds to totals[key or attr]."""
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[key or attr] += time.perf_counter() - t0
+
+    setattr(obj, attr, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen-0.5b")
+    ap.add_argument("--drafts", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = [p.text for p in select(iter_prompts("humaneval")[0], args.prompts)]
+    base = LLM(args.target, draft=None, dtype=args.dtype)
+    systems = {"plain": base}
+    for d in args.drafts.split(";"):
+        systems[d] = LLM(args.target, draft=d, dtype=args.dtype, _model=base.model, _tokenizer=base.tokenizer)
+        print(f"{d}: {type(systems[d].engine.proposer).__name__}")
+    timers = {name: {"propose": 0.0, "model": 0.0} for name in systems}
+    for name, llm in systems.items():
+        p = llm.engine.proposer
+        if p is not None:
+            timed(p, "propose", timers[name], p.propose)
+            inner = getattr(p, "inner", None)  # a cross-vocabulary proposer: its draft model's share
+            if inner is not None:
+                timed(inner, "propose", timers[name], inner.propose, key="model")
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    base.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    stats = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}
+             for name in systems}
+    names = list(systems)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            out = systems[name].generate(prompt, params, use_tqdm=False)[0]
+            s = stats[name]
+            s["seconds"] += time.perf_counter() - t0
+            s["tokens"] += len(out.token_ids)
+            s["outputs"].append(out.token_ids)
+            m = out.metrics
+            s["steps"] += m.get("steps", 0)
+            s["drafted"] += m.get("drafted", 0)
+            s["accepted"] += m.get("accepted", 0)
+            s["emitted"] += m.get("emitted", 0)
+    plain = stats["plain"]["outputs"]
+    print(f"target {args.target}, {args.prompts} HumanEval prompts x {args.tokens} tokens, greedy, batch 1, "
+          f"{args.threads} threads")
+    print(f"{'system':28s} {'accept':>7s} {'mean acc len':>12s} {'tok/s':>7s} {'speed-up':>8s} {'draft s':>8s} "
+          f"{'text s':>7s} equal-to-plain")
+    base_rate = stats["plain"]["tokens"] / stats["plain"]["seconds"]
+    for name, s in stats.items():
+        rate = s["tokens"] / s["seconds"]
+        acc = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+        mal = s["emitted"] / s["steps"] if s["steps"] else 1.0
+        t = timers[name]  # seconds in propose, and the part outside the draft model (text alignment)
+        text_s = t["propose"] - t["model"] if t["model"] else 0.0
+        print(f"{name:28s} {acc:7.3f} {mal:12.2f} {rate:7.2f} {rate / base_rate:8.2f} {t['propose']:8.2f} "
+              f"{text_s:7.3f} {s['outputs'] == plain}")
+
+
+if __name__ == "__main__":
+    main()
