@@ -3,7 +3,8 @@
  * q_legacy.c (Q4_0, Q4_1, Q5_0, Q8_0) and q_kquants.c (Q4_K, Q6_K) into one library on first use by
  * runtime/qtensor.py (through runtime/native.py); the shared contract is in q_common.h.
  *
- * Work: each row of x is quantized to int8 once per call (rows in parallel, each on its own). Then
+ * Work: each row of x is quantized to int8 once per call, on its own (rows in parallel from
+ * QUANT_PAR_ROWS of them). Then
  * threads take chunks of RCH weight rows as they come free (a thread that the OS deschedules on a
  * shared machine holds back no fixed share); within a chunk the rows of x go XCHUNK at a time (kept
  * in L2) and each weight row is unpacked once per tile of up to TILE activation rows. Which thread
