@@ -4,11 +4,11 @@
  * runtime/qtensor.py (through runtime/native.py); the shared contract is in q_common.h.
  *
  * Work: each row of x is quantized to int8 once per call, on its own (rows in parallel from
- * QUANT_PAR_ROWS of them). Then
- * threads take chunks of RCH weight rows as they come free (a thread that the OS deschedules on a
- * shared machine holds back no fixed share); within a chunk the rows of x go XCHUNK at a time (kept
- * in L2) and each weight row is unpacked once per tile of up to TILE activation rows. Which thread
- * computes an output and which rows share its tile never change how it is computed. */
+ * QUANT_PAR_ROWS of them). Then threads take chunks of RCH weight rows as they come free (a thread
+ * that the OS deschedules on a shared machine holds back no fixed share); within a chunk the rows of
+ * x go XCHUNK at a time (kept in L2) and each weight row is unpacked once per tile of up to TILE
+ * activation rows. Which thread computes an output and which rows share its tile never change how
+ * it is computed. */
 #include <omp.h>
 
 #include "q_common.h"
