@@ -57,7 +57,8 @@ def test_prompt_longer_than_context(capsys):
 def test_generate_streams_text_and_prints_stats(capsys, tmp_path):
     path = real_model_path("smollm2-135m-instruct")
     code, out, err = run(capsys, "generate", "--model", str(path), "--draft", "prompt-lookup", "--dtype", "float32",
-                         "--kv-cache-mb", "32", "--max-tokens", "12", "--prompt", "What is the capital of France?")
+                         "--quantization", "none", "--kv-cache-mb", "32", "--max-tokens", "12",
+                         "--prompt", "What is the capital of France?")
     assert code == 0 and "Paris" in out
     assert "[spec]" in err and "mean accepted length" in err
     prompts = tmp_path / "prompts.txt"

@@ -103,7 +103,8 @@ def exact_joint(hf, prompt: list[int], params: SamplingParams) -> np.ndarray:
 def generate(target, proposer, prompt: list[int], params: dict, num_requests: int, seed0: int):
     eng = Engine(target, None,
                  EngineConfig(CacheConfig(block_size=4, kv_cache_bytes=8 << 20),
-                              SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 16)),
+                              SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 16,
+                                              max_num_prefills=num_requests)),
                  proposer=proposer)
     reqs = [eng.add_request(prompt, SamplingParams(seed=seed0 + i, max_tokens=MAX_TOKENS, ignore_eos=True, **params))
             for i in range(num_requests)]
