@@ -32,6 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="memory for the target's KV cache, MiB")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per engine step: decode/verify rows first, then chunks of waiting prompts")
+    p.add_argument("--max-num-prefills", type=int, default=4, help="prompts prefilled side by side in one step")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +53,7 @@ def build_llm(args):
     return LLM(args.model, draft, dtype=args.dtype, device=args.device, num_speculative_tokens=args.spec_len,
                top_children=args.tree_width, max_nodes=args.tree_nodes, kv_cache_bytes=args.kv_cache_mb << 20,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefills=args.max_num_prefills,
                quantization=getattr(args, "quantization", "auto"))
 
 

@@ -77,7 +77,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, draft: str | None = _USE_DEFAULT, *, dtype: str = "bfloat16",
                  device: str = "cpu", num_speculative_tokens: int = 4, top_children: int = 1, max_nodes: int = 16,
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
                  quantization: str | None = "auto", _model: DecoderLM | None = None, _tokenizer=None):
         """`quantization` applies to the target and every draft model (a draft may override it with
         `[quant=...]`, see spec/compose.py); speculation is lossless against the target as loaded:
@@ -86,7 +86,10 @@ class LLM:
           (`dtype` is unused for such a model: its activations and dense tensors are fp32);
         - "none": dense weights in `dtype` (a GGUF file is dequantized once into a cache);
         - "int8": weight-only per-channel int8 (runtime/quant.py);
-        - "q4_0" / "q8_0" / "q4_k": every matrix requantized into that GGUF format at load."""
+        - "q4_0" / "q8_0" / "q4_k": every matrix requantized into that GGUF format at load.
+        `max_num_batched_tokens` is the per-step token budget: running requests' decode/verify rows
+        first, then chunks of at most `max_num_prefills` waiting prompts share what is left (chunked
+        prefill, engine/scheduler.py), so a long prompt never stalls the requests already decoding."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
@@ -112,7 +115,8 @@ class LLM:
         proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
                                   quantization=self.quantization, target_tokenizer=self.tokenizer)
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
-                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len))
+                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                              max_num_prefills=max_num_prefills))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)
 
     # -- prompts ---------------------------------------------------------------------------------
