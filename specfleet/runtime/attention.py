@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 # the CPU flash kernel also returns the log-sum-exp of each query row, which the split needs
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# a step's rows for one request up to which each row attends on its own, as its decode step would
+# (verification sizes); longer runs (prompt chunks) take the split flash path below
+ROWWISE_ROWS = 16
 
 
 @dataclass
@@ -120,6 +123,8 @@ def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttent
     k, v = _heads_first(ki), _heads_first(vi)
     if n == 1 and seq.context_mask is None:  # one new token sees the whole sequence: no mask at all
         return _unfold(F.scaled_dot_product_attention(qf, k, v, scale=scale), n)
+    if c and n <= ROWWISE_ROWS and seq.context_mask is None:
+        return _attend_rowwise(qi, k, v, seq, num_kv_heads, scale)
     can_split = _cpu_flash is not None and qi.device.type == "cpu"
     if not can_split or seq.context_mask is not None:
         bias = seq.bias(group, True, qi.device, qi.dtype)
@@ -130,6 +135,30 @@ def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttent
     o_ctx, lse_ctx = _cpu_flash(qf, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)
     w = torch.sigmoid(_unfold(lse_ctx.unsqueeze(-1), n) - lse_new)  # [n, H, 1]: the context's share
     return torch.lerp(o_new.float(), _unfold(o_ctx, n).float(), w).to(qi.dtype)
+
+
+def _attend_rowwise(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
+                    scale: float) -> torch.Tensor:
+    """Verification rows (a draft chain or tree after a context), each attended exactly as its own
+    one-token decode step would be: the same unmasked call over the same keys in the same order (the
+    context, then the row's ancestors and itself). So a verified token gets bit for bit the attention
+    output that decoding it alone gives, and with batch-invariant linear layers speculative greedy
+    output equals plain greedy output, not only up to rounding. A chain row's keys are a prefix of
+    the request's rows (a view); a tree row whose ancestors are not a prefix gathers its keys."""
+    n, c = seq.query_len, seq.context_len
+    out = torch.empty_like(qi)
+    for i in range(n):
+        if seq.new_mask is None:
+            ki, vi = k[:, :, :c + i + 1], v[:, :, :c + i + 1]
+        else:
+            seen = seq.new_mask[i, : i + 1].nonzero().flatten()
+            if len(seen) == i + 1:  # every earlier new token: a prefix
+                ki, vi = k[:, :, :c + i + 1], v[:, :, :c + i + 1]
+            else:
+                idx = torch.cat([torch.arange(c), seen + c]).to(k.device)
+                ki, vi = k.index_select(2, idx), v.index_select(2, idx)
+        out[i] = _unfold(F.scaled_dot_product_attention(_fold(qi[i:i + 1], num_kv_heads), ki, vi, scale=scale), 1)[0]
+    return out
 
 
 def _attend_new(qi, qf, k, v, seq: SeqAttention, group: int, scale: float):
