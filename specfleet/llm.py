@@ -15,62 +15,16 @@ from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
-from specfleet.runtime.build import build_model, parse_device, parse_dtype
+from specfleet.runtime.build import parse_device, parse_dtype
+from specfleet.runtime.load import load_model
 from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.quant import BLOCK_FORMATS, parse_quantization, quantize_model, resolve_quantization
+from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.factory import SpecConfig, build_proposer
+from specfleet.strategies.factory import SpecConfig, build_proposer
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 _USE_DEFAULT = object()
-
-
-def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True,
-               quantization: str | None = None):
-    """Resolve a registered name or path, load (and cache) the checkpoint, build our model on `device`.
-
-    `quantization` (runtime/quant.py): None/"none" dense weights in `dtype`; "auto" keeps a GGUF file's
-    block formats on the CPU ("gguf": fp32 activations, `dtype` unused) and is dense elsewhere; "int8"
-    weight-only int8; "q4_0"/"q8_0"/"q4_k" requantize every matrix at load.
-
-    `NAME@N` keeps only the first N transformer layers (a cheap derived draft; the final norm and
-    head are kept, so it still speaks the target's vocabulary).
-    """
-    from dataclasses import replace
-
-    from specfleet.models.registry import resolve_model
-    from specfleet.runtime.loader import is_gguf_file, load_checkpoint
-
-    num_layers = None
-    if "@" in name_or_path:
-        name_or_path, _, n = name_or_path.rpartition("@")
-        if not n.isdigit() or int(n) < 1:
-            raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {n!r}")
-        num_layers = int(n)
-    path = resolve_model(name_or_path)
-    mode = resolve_quantization(parse_quantization(quantization), is_gguf_file(path), device)
-    if mode in BLOCK_FORMATS:
-        ckpt = load_checkpoint(path, quantization=mode)
-        dtype = torch.float32  # activations of the block-format kernels
-    else:
-        ckpt = load_checkpoint(path, dtype)
-    cfg = ckpt.config
-    if num_layers is not None:
-        if num_layers > cfg.num_layers:
-            raise InvalidRequestError(f"{name_or_path} has {cfg.num_layers} layers; cannot keep {num_layers}")
-        cfg = replace(cfg, num_layers=num_layers)
-    model = build_model(cfg, ckpt.weights, dtype, device)
-    del ckpt.weights
-    if mode in BLOCK_FORMATS:
-        model.quantization = mode
-    quantize_model(model, mode)
-    tokenizer = None
-    if with_tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir), local_files_only=True)
-    return model, tokenizer
 
 
 class LLM:
@@ -80,7 +34,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
                  quantization: str | None = "auto", _model: DecoderLM | None = None, _tokenizer=None):
         """`quantization` applies to the target and every draft model (a draft may override it with
-        `[quant=...]`, see spec/compose.py); speculation is lossless against the target as loaded:
+        `[quant=...]`, see strategies/grammar.py); speculation is lossless against the target as loaded:
         - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
         - "gguf": keep the GGUF file's block formats (Q4_K, Q6_K, ...), native kernels, fp32 activations
           (`dtype` is unused for such a model: its activations and dense tensors are fp32);

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import specfleet.runtime.attention as attention
-from specfleet.engine.block_manager import BlockManager
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.engine.scheduler import fair_shares
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.pipeline import PipelineConfig
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.engine.result_pool import PipelineConfig
 from test_pipeline import engine_config, make_drafter
 from test_spec_greedy import proposers, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model

@@ -1,4 +1,4 @@
-"""Drafts of another vocabulary (spec/cross_vocab.py, spec/text_align.py).
+"""Drafts of another vocabulary (drafting/cross_vocab.py, drafting/text_align.py).
 
 1. Alignment with real tokenizers: SmolLM2's (from its installed GGUF) against Qwen's when a Qwen
    model is installed, else a byte-level BPE trained here: word cuts, multi-byte characters split
@@ -17,15 +17,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import specfleet.engine.engine as engine_module
+import specfleet.engine.executor as engine_module
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.cross_vocab import CrossVocabProposer, load_tokenizer
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.factory import SpecConfig, build
-from specfleet.spec.text_align import (REPLACEMENT, CommittedText, DraftTokens, TextCodec, continuation_text,
+from specfleet.drafting.cross_vocab import CrossVocabProposer, load_tokenizer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.strategies.factory import SpecConfig, build
+from specfleet.drafting.text_align import (REPLACEMENT, CommittedText, DraftTokens, TextCodec, continuation_text,
                                        same_vocabulary, target_continuation)
 from test_distribution import ALPHA, PARAMS, accept_every_draft, exact_joint, generate, one_thread, p_values, setup  # noqa: F401,E501
 from test_spec_greedy import make_engine

@@ -22,7 +22,7 @@ from specfleet.runtime.loader import load_checkpoint
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from test_spec_greedy import make_engine
 from tiny_models import ours_from_hf, random_prompts, run_to_completion, tiny_hf_model
 

@@ -21,15 +21,15 @@ import pytest
 import scipy.stats
 import torch
 
-import specfleet.engine.engine as engine_module
+import specfleet.engine.executor as engine_module
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.runtime.sampling import target_probs
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from specfleet.spec.tree import DraftTree
-from specfleet.spec.verify import VerifyResult
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.core.tree import DraftTree
+from specfleet.core.verify import VerifyResult
 from tiny_models import ours_from_hf, tiny_hf_model
 
 VOCAB = 8

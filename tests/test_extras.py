@@ -46,7 +46,7 @@ def test_default_paths_import_without_the_extras():
 import sys
 for name in ({blocked},):
     sys.modules[name] = None  # import of a None entry raises ImportError
-import specfleet.llm, specfleet.server.app, specfleet.spec.factory
+import specfleet.llm, specfleet.server.app, specfleet.strategies.factory
 from specfleet.cli import main
 try:
     main(["--help"])
@@ -62,7 +62,7 @@ def test_require_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingExtraError, match=re.escape("pip install 'specfleet[pipeline]'")):
         require("ray", "pipeline", "remote draft workers")
-    from specfleet.spec.remote import require_ray
+    from specfleet.drafting.remote import require_ray
     with pytest.raises(MissingExtraError, match="remote draft workers"):
         require_ray()
     with pytest.raises(ValueError, match="unknown extra"):

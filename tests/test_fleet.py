@@ -9,13 +9,13 @@ import torch
 
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.compose import describe
-from specfleet.spec.costs import Acceptance, DraftCost, StepCosts, matched_nodes
-from specfleet.spec.fleet import FleetConfig, FleetProposer, best_subtree, merge_trees
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.tree import DraftTree
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.core.proposer import describe
+from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes
+from specfleet.strategies.fleet import FleetConfig, FleetProposer, best_subtree, merge_trees
+from specfleet.core.proposer import Feedback
+from specfleet.core.tree import DraftTree
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from test_strategies_engine import GREEDY, assert_all_free, build_strategy
@@ -146,6 +146,13 @@ class FakeDraft:
             self.model = torch.nn.Linear(2, 2)
         self.calls = 0
 
+    @property
+    def num_speculative_tokens(self):
+        return self.config.num_speculative_tokens
+
+    def set_num_speculative_tokens(self, n):
+        self.config.num_speculative_tokens = n
+
     def propose(self, requests):
         self.calls += 1
         k = self.config.num_speculative_tokens
@@ -185,8 +192,9 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
                 continue
             want = [truth(r.num_tokens + i) for i in range(len(tree) + 1)]
             hit = sorted(matched_nodes(tree, want))
-            r.tokens += [tree.token_ids[j] for j in hit] + [truth(r.num_tokens + len(hit))]
-            feedback.append(Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, r.all_token_ids))
+            emitted = [tree.token_ids[j] for j in hit] + [truth(r.num_tokens + len(hit))]
+            r.tokens += emitted
+            feedback.append(Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted))
         fleet.observe(feedback)
         if s >= steps // 2:
             for k in late:

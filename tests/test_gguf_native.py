@@ -20,9 +20,9 @@ from specfleet.runtime.build import build_model
 from specfleet.runtime.loader import load_checkpoint
 from specfleet.runtime.quant import resolve_quantization
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.compose import leaves
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.factory import SpecConfig, build, build_proposer
+from specfleet.core.proposer import leaves
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.strategies.factory import SpecConfig, build, build_proposer
 from test_loader import tiny_hf_model as tiny_vocab_model
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from test_strategies_engine import assert_all_free

@@ -1,7 +1,7 @@
-"""Metric conventions on hand-made steps (see specfleet/spec/metrics.py)."""
+"""Metric conventions on hand-made steps (see specfleet/core/stats.py)."""
 import pytest
 
-from specfleet.spec.metrics import SpecStats
+from specfleet.core.stats import SpecStats
 
 
 def test_conventions_on_hand_made_steps():

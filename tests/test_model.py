@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specfleet.engine.block_manager import BlockManager
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
 from tiny_models import ours_from_hf, tiny_hf_model

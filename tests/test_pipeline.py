@@ -9,11 +9,11 @@ from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.pipeline import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
                                      search_micro_batches)
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from specfleet.spec.tree import DraftTree
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.core.tree import DraftTree
 from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -243,7 +243,7 @@ def test_remote_worker_body_drafts_from_token_deltas_like_a_local_draft(draft):
     """The Ray actor's body, run in-process: it mirrors requests from deltas and drafts what a local
     proposer drafts for the same tokens (this part needs no Ray)."""
     from specfleet.engine.request import Request
-    from specfleet.spec.remote import DraftWorker, RemoteDraftSpec, RequestDelta
+    from specfleet.drafting.remote import DraftWorker, RemoteDraftSpec, RequestDelta
 
     cfg = DraftModelConfig(3, kv_cache_bytes=SMALL)
     worker = DraftWorker(RemoteDraftSpec.from_model(draft, "w", cfg, num_threads=None))

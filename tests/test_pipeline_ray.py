@@ -17,9 +17,9 @@ except ImportError:
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig
-from specfleet.spec.pipeline import PipelineConfig
-from specfleet.spec.remote import RemoteDraftSpec, remote_drafters
+from specfleet.drafting.draft_model import DraftModelConfig
+from specfleet.engine.result_pool import PipelineConfig
+from specfleet.drafting.remote import RemoteDraftSpec, remote_drafters
 from test_pipeline import GREEDY, engine_config, prompts_for
 from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 

@@ -10,7 +10,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.llm import LLM
 from specfleet.runtime.quant import Int8Linear, quantize_model, quantize_rows
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from specfleet.config import CacheConfig, EngineConfig
-from specfleet.engine.block_manager import BlockManager
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.engine.engine import Engine
 from specfleet.runtime.build import build_model
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.prompt_lookup import PromptLookupProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupProposer
 from tiny_models import run_to_completion
 
 pytestmark = pytest.mark.real_model

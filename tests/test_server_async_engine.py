@@ -16,7 +16,7 @@ from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.metrics import SpecStats
+from specfleet.core.stats import SpecStats
 from specfleet.server.metrics import ServerMetrics
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from specfleet.server.serving import DeltaText
@@ -234,7 +234,10 @@ class _VotingProposer:
     name = "vote"
     weights = {"ngram": 0.75, "small-lm": 0.25}
     draft_stats = {"ngram": {"drafted": 8, "accepted": 6}, "small-lm": SpecStats(num_drafted=4, num_accepted=1)}
-    spec_len = 5
+    num_speculative_tokens = 5
+
+    def set_num_speculative_tokens(self, n):
+        self.num_speculative_tokens = n
 
     def propose(self, requests):
         return {}

@@ -6,8 +6,8 @@ import pytest
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

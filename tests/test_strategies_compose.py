@@ -5,16 +5,18 @@ import pytest
 import torch
 
 import specfleet.llm
+import specfleet.runtime.load
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.compose import describe, parse
-from specfleet.spec.draft_model import DraftModelProposer
-from specfleet.spec.factory import ModelCache, SpecConfig, build, build_proposer, layer_cut
-from specfleet.spec.length import LengthController
-from specfleet.spec.ngram_model import NgramProposer
-from specfleet.spec.prompt_lookup import PromptLookupProposer
-from specfleet.spec.selector import SelectorProposer
-from specfleet.spec.staged import StagedProposer
-from specfleet.spec.vote import VoteProposer
+from specfleet.core.proposer import describe
+from specfleet.strategies.grammar import parse
+from specfleet.drafting.draft_model import DraftModelProposer
+from specfleet.strategies.factory import ModelCache, SpecConfig, build, build_proposer, layer_cut
+from specfleet.strategies.length import LengthController
+from specfleet.drafting.ngram_model import NgramProposer
+from specfleet.drafting.prompt_lookup import PromptLookupProposer
+from specfleet.strategies.selector import SelectorProposer
+from specfleet.drafting.staged import StagedProposer
+from specfleet.strategies.vote import VoteProposer
 from tiny_models import ours_from_hf, perturbed_copy, tiny_hf_model
 
 FULL = "select(vote(qwen-0.5b,qwen-0.5b@18,prompt-lookup),qwen-0.5b,prompt-lookup)+adaptive"
@@ -120,7 +122,7 @@ def test_each_model_loads_once_and_layer_cuts_share_weights(monkeypatch, drafts)
         calls.append(name)
         return drafts[name.split("@")[0]], None
 
-    monkeypatch.setattr(specfleet.llm, "load_model", fake_load)
+    monkeypatch.setattr(specfleet.runtime.load, "load_model", fake_load)
     p = build_proposer("vote(d1,d1@1,d2@1)", SpecConfig(draft_kv_cache_bytes=32 << 10), 97, torch.float32,
                        torch.device("cpu"))
     assert sorted(calls) == ["d1", "d2@1"]  # d1 whole once (d1@1 is cut from it); d2 only at depth 1
@@ -135,7 +137,7 @@ def test_each_model_loads_once_and_layer_cuts_share_weights(monkeypatch, drafts)
 
 
 def test_ngram_tables_come_from_a_file_when_named(tmp_path, drafts):
-    from specfleet.spec.ngram_model import NgramModel
+    from specfleet.drafting.ngram_model import NgramModel
 
     m = NgramModel()
     m.add([5, 6, 7, 5, 6, 8])

@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.ngram_model import NgramModel
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from specfleet.spec.staged import StagedConfig, StagedProposer
-from specfleet.spec.vote import VoteConfig, VoteProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.ngram_model import NgramModel
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.drafting.staged import StagedConfig, StagedProposer
+from specfleet.strategies.vote import VoteConfig, VoteProposer
 from specfleet.sampling_params import SamplingParams
 from test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
 

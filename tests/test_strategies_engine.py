@@ -3,8 +3,8 @@ token (batch 1, 3 and 8), and every KV block of every cache (target and each dra
 import pytest
 
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.factory import SpecConfig, build
-from specfleet.spec.compose import leaves
+from specfleet.strategies.factory import SpecConfig, build
+from specfleet.core.proposer import leaves
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 

@@ -5,10 +5,10 @@ import torch
 from specfleet.engine.request import Request
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.ngram_cli import run_ngram_args
-from specfleet.spec.ngram_model import NgramModel
-from specfleet.spec.staged import StagedConfig, StagedProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.cli.ngram import run_ngram_args
+from specfleet.drafting.ngram_model import NgramModel
+from specfleet.drafting.staged import StagedConfig, StagedProposer
 from test_spec_greedy import make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 

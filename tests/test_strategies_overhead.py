@@ -12,7 +12,7 @@ import time
 import pytest
 
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.compose import describe, total_overhead
+from specfleet.core.proposer import describe, total_overhead
 from test_spec_greedy import make_engine, repetitive_prompts
 from test_strategies_engine import build_strategy
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model

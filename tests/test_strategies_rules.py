@@ -10,11 +10,11 @@ import torch
 from specfleet.engine.request import Request
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.length import LengthConfig, LengthController, LengthMonitor, prune_depth
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.selector import SelectorConfig, SelectorProposer, max_weight_matching
-from specfleet.spec.tree import DraftTree
-from specfleet.spec.vote import VoteConfig, VoteProposer, first_path, weighted_vote
+from specfleet.strategies.length import LengthConfig, LengthController, LengthMonitor, prune_depth
+from specfleet.core.proposer import Feedback
+from specfleet.strategies.selector import SelectorConfig, SelectorProposer, max_weight_matching
+from specfleet.core.tree import DraftTree
+from specfleet.strategies.vote import VoteConfig, VoteProposer, first_path, weighted_vote
 
 
 class Fixed:

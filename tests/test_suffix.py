@@ -5,16 +5,16 @@ from collections import Counter
 
 import pytest
 
-import specfleet.engine.engine as engine_module
+import specfleet.engine.executor as engine_module
 from specfleet.engine.request import Request
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.factory import SpecConfig, build
-from specfleet.spec.length import LengthController
-from specfleet.spec.selector import SelectorProposer
-from specfleet.spec.suffix import SuffixConfig, SuffixProposer
-from specfleet.spec.suffix_tree import Node, SuffixTrie
-from specfleet.spec.vote import VoteProposer
+from specfleet.strategies.factory import SpecConfig, build
+from specfleet.strategies.length import LengthController
+from specfleet.strategies.selector import SelectorProposer
+from specfleet.drafting.suffix import SuffixConfig, SuffixProposer
+from specfleet.drafting.suffix_tree import Node, SuffixTrie
+from specfleet.strategies.vote import VoteProposer
 from test_distribution import (ALPHA, PARAMS, accept_every_draft, exact_joint, generate, one_thread,  # noqa: F401
                                p_values, setup)
 from test_spec_greedy import make_engine, repetitive_prompts

@@ -1,6 +1,6 @@
 """Each verification rule and the target distribution, on hand-made inputs (no model involved).
 
-Rows: row 0 is the root, row j + 1 is tree node j (see specfleet/spec/verify.py).
+Rows: row 0 is the root, row j + 1 is tree node j (see specfleet/core/verify.py).
 Statistical checks use fixed seeds, so they are deterministic; their tolerances are binomial bounds
 (Z standard deviations), not tuned numbers.
 """
@@ -13,8 +13,8 @@ import torch
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.sampling import target_probs
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.tree import DraftTree
-from specfleet.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from specfleet.core.tree import DraftTree
+from specfleet.core.verify import VerifyResult, verify_greedy, verify_sampled
 
 Z = 5.0  # a correct implementation fails a 5-sigma bound with probability ~6e-7 per check
 

@@ -1,12 +1,29 @@
-"""specfleet's import graph, from the source alone (ast; nothing is imported).
+"""specfleet's import graph, from the source alone (ast; nothing is imported), checked against the layers.
 
-    python tools/import_graph.py              # package-level edges and every import cycle
+    python tools/import_graph.py              # package-level edges, cycles and imports against the layers
     python tools/import_graph.py --files      # file-level edges too
 
 An import counts wherever it stands (module level or inside a function), because a deferred import
 still ties the two modules together. Cycles are reported as strongly connected components of the
 file graph and of the package graph (a package is specfleet's first-level subpackage or module).
-Exit status 1 when there is a cycle, so the check can run in CI.
+
+Layers, highest first; a package may import only packages of lower layers:
+
+    cli                                        the command line
+    server, distill                            the HTTP server, draft distillation
+    bench                                      the benchmark suite
+    llm                                        the offline API
+    engine                                     requests, scheduler, executor, pipelined and async drivers
+    strategies                                 vote, select, fleet, adaptive length, the spec grammar
+    drafting                                   draft sources: models, n-grams, lookup, suffix, remote
+    runtime                                    device code: models, kernels, KV memory, loading
+    core, models                               shared types (tree, proposer protocol, verifier), the registry
+    config, outputs, extras, sampling_params   plain settings and results
+    errors
+
+`__main__` modules are entry points (`python -m specfleet.server` runs the CLI's serve) and are
+left out of the package graph. Exit status 1 on a cycle or an import against the layers (the test
+suite runs this check: tests/test_layering.py).
 """
 from __future__ import annotations
 
@@ -18,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specfleet"
+LAYERS = [["cli"], ["server", "distill"], ["bench"], ["llm"], ["engine"], ["strategies"], ["drafting"], ["runtime"],
+          ["core", "models"], ["config", "outputs", "extras", "sampling_params"], ["errors"]]
+RANK = {f"{PACKAGE}.{name}": len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer}
 
 
 def module_name(path: Path) -> str:
@@ -109,11 +129,30 @@ def build() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     file_graph = {module_name(f): imported_modules(f, known) for f in files}
     pkg_graph: dict[str, set[str]] = defaultdict(set)
     for src, dsts in file_graph.items():
+        if src.endswith(".__main__"):
+            continue  # an entry point, not a layer
         for dst in dsts:
             a, b = package_of(src), package_of(dst)
             if a != b and a != PACKAGE:  # the top-level __init__ re-exports; it is no layer
                 pkg_graph[a].add(b)
     return file_graph, dict(pkg_graph)
+
+
+def layer_violations(file_graph: dict[str, set[str]]) -> list[str]:
+    """File imports that go up or sideways across the layers (or touch a package with no layer)."""
+    out = []
+    for src in sorted(file_graph):
+        if src.endswith(".__main__") or src == PACKAGE:
+            continue
+        for dst in sorted(file_graph[src]):
+            a, b = package_of(src), package_of(dst)
+            if a == b:
+                continue
+            if a not in RANK or b not in RANK:
+                out.append(f"{src} -> {dst}: {a if a not in RANK else b} has no layer (add it to LAYERS)")
+            elif RANK[a] <= RANK[b]:
+                out.append(f"{src} -> {dst}: {a} may not import {b}")
+    return out
 
 
 def main() -> int:
@@ -137,7 +176,11 @@ def main() -> int:
     print(f"package-level cycles: {len(pkg_cycles)}")
     for c in pkg_cycles:
         print("  " + " <-> ".join(c))
-    return 1 if file_cycles or pkg_cycles else 0
+    bad = layer_violations(file_graph)
+    print(f"imports against the layers: {len(bad)}")
+    for line in bad:
+        print("  " + line)
+    return 1 if file_cycles or pkg_cycles or bad else 0
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="always generate --max-tokens tokens")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16")
     p.add_argument("--device", help="cpu | cuda | auto")
-    p.add_argument("--spec-len", type=int, help="draft tokens per step for systems without k=")
+    p.add_argument("--num-speculative-tokens", "--spec-len", dest="spec_len", type=int,
+                   help="draft tokens per step for systems without k=")
     p.add_argument("--quantization", choices=["auto", "gguf", "none", "int8", "q4_0", "q8_0", "q4_k"],
                    help="weights of every specfleet system's target and drafts (see `specfleet generate --help`; "
                         "default auto: a GGUF model runs as the file is on the CPU); transformers systems stay "

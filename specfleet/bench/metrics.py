@@ -1,6 +1,6 @@
 """Benchmark arithmetic: pure functions over per-request and per-wave timings.
 
-Conventions (speculative ones follow specfleet/spec/metrics.py):
+Conventions (speculative ones follow specfleet/core/stats.py):
 - a *wave* is one batch of `batch_size` prompts submitted together; its wall time runs from submit
   to the last request's end. Aggregate throughput = all output tokens / sum of wave wall times.
 - per-request tokens/s = output tokens / latency, where latency runs from submission to the

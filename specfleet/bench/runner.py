@@ -96,10 +96,11 @@ def check_hf_drafts(preset: Preset) -> None:
 
 
 def _check_hf_draft(spec: SystemSpec) -> None:
+    from specfleet.core.model_ref import ModelRef
     from specfleet.models.registry import resolve_model
 
     try:
-        resolve_model(spec.draft.rpartition("@")[0] if "@" in spec.draft else spec.draft)
+        resolve_model(ModelRef.parse(spec.draft).name)
     except SpecfleetError as e:
         raise SpecfleetError(f"system {spec.label!r}: transformers assists only with a draft model or prompt "
                              f"lookup, and {spec.draft!r} did not load as a model: {e}") from e

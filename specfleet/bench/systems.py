@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specfleet.errors import SpecfleetError
+from specfleet.strategies.grammar import MODEL_ALIASES
 
 SHORTHANDS = {"ar": "specfleet:none", "specfleet": "specfleet:none", "transformers": "hf"}
 KINDS = ("specfleet", "hf", "hf-assisted", "llamacpp")
 _OPTION = re.compile(r"^[A-Za-z_]\w*=")
-SPECFLEET_OPTIONS = {"k": "num_speculative_tokens", "width": "top_children", "nodes": "max_nodes"}
+SPECFLEET_OPTIONS = MODEL_ALIASES  # the draft spec's short names: k, width, nodes
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class SpecfleetSystem:
         return gens
 
     def _overhead(self) -> float:
-        from specfleet.spec.compose import total_overhead
+        from specfleet.core.proposer import total_overhead
 
         proposer = self.llm.engine.proposer
         return 0.0 if proposer is None else total_overhead(proposer)

@@ -100,7 +100,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--eval-prompts", type=int, default=4,
                    help="the shortest held-out prompts used for the speculative runs (0 = agreement only)")
     e.add_argument("--eval-max-tokens", type=int, default=64)
-    e.add_argument("--spec-len", type=int, default=4, help="draft tokens per verification step")
+    e.add_argument("--num-speculative-tokens", "--spec-len", dest="spec_len", type=int, default=4,
+                   help="draft tokens per verification step")
     e.add_argument("--compare", action="append", default=None,
                    help="baseline draft (repeatable; NAME@N = first N layers); default: the init source cut to "
                         "--layers layers, and the init source whole")

@@ -3,7 +3,7 @@
 - held-out greedy agreement: on continuations the target produced for prompts the draft never saw
   in training, the fraction of positions where the draft's argmax is the target's token
   (teacher-forced, so one miss does not derail the rest; it predicts acceptance of greedy drafts).
-- mean accepted length (1 + accepted / verification steps, spec/metrics.py) and decode tokens/s of
+- mean accepted length (1 + accepted / verification steps, core/stats.py) and decode tokens/s of
   the target with the draft, one prompt at a time; decode = after the first token, so the prompt's
   prefill, identical with and without a draft, does not dilute the comparison.
 - cost per token: the draft's own decode time per token over the target's (both plain decoding).
@@ -22,7 +22,7 @@ from specfleet.distill.student import causal_forward
 from specfleet.engine.engine import Engine
 from specfleet.runtime.model import DecoderLM
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ takes that model's width unless told to project.
 - Same width as the source: embeddings, final norm and head are copied; the transformer layers are
   copied from `layer_ids` of the source (spread over its depth by default, which keeps the last
   layer, whose output space the head reads), MLPs optionally pruned to the `intermediate_size`
-  neurons with the largest weight norms. Measured on the 0.5B: no choice of 2 to 8 of its 24 layers
-  agrees with it on more than 3 % of greedy tokens before training, so copied layers are a starting
-  point for training, not a draft by themselves.
+  neurons with the largest weight norms. A few copied layers of a deep model rarely agree with it
+  before training (the distill report's untrained baseline shows by how much), so copied layers are
+  a starting point for training, not a draft by themselves.
 - Narrower than the source: embeddings and head are projected onto the top principal directions
   of the source's embedding table (the final-norm gain folded into the head first); layers start
   random. `init_from="none"`: everything random (for tests and ablations).

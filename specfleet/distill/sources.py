@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specfleet.core.model_ref import ModelRef
 from specfleet.errors import SpecfleetError
 from specfleet.models.registry import resolve_model
 from specfleet.runtime.build import build_model
@@ -22,12 +23,8 @@ from specfleet.runtime.model_config import ModelConfig
 
 def split_depth(name: str) -> tuple[str, int | None]:
     """'model@N' -> ('model', N): the first N layers only (the untrained truncated baseline)."""
-    if "@" not in name:
-        return name, None
-    base, _, n = name.rpartition("@")
-    if not n.isdigit() or int(n) < 1:
-        raise SpecfleetError(f"in 'MODEL@N', N must be a positive layer count, got {n!r}")
-    return base, int(n)
+    ref = ModelRef.parse(name)
+    return ref.name, ref.num_layers
 
 
 def load_source(name_or_path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:

@@ -24,11 +24,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from specfleet.core.proposer import DraftStats, DraftWeights, speculation_length
 from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.metrics import SpecStats
+from specfleet.core.stats import SpecStats
 
 logger = logging.getLogger("specfleet.engine")
 
@@ -56,10 +57,10 @@ class EngineSnapshot:
     num_blocks: int = 0
     num_engine_steps: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
-    # read from the proposer if it has them; server/metrics.py documents and interprets their shape
+    # from the proposer's optional capabilities (core/proposer.py); server/metrics.py interprets them
     draft_weights: Mapping[str, object] = field(default_factory=dict)
     draft_stats: Mapping[str, object] = field(default_factory=dict)
-    spec_len: int | None = None
+    num_speculative_tokens: int | None = None  # the current length (an adaptive controller's choice)
 
 
 @dataclass(frozen=True)
@@ -244,14 +245,14 @@ class AsyncEngine:
         eng = self.engine
         stats = SpecStats()
         stats.merge(eng.stats)  # a copy: the engine keeps mutating its own
-        proposer = eng.proposer
+        proposer = eng.draft_source
         self.snapshot = EngineSnapshot(
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_blocks=eng.blocks.num_free_blocks, num_blocks=eng.blocks.num_blocks,
             num_engine_steps=self._num_steps, stats=stats,
-            draft_weights=_copy_map(getattr(proposer, "weights", None)),
-            draft_stats=_copy_map(getattr(proposer, "draft_stats", None)),
-            spec_len=_spec_len(proposer))
+            draft_weights=_copy_map(proposer.weights) if isinstance(proposer, DraftWeights) else {},
+            draft_stats=_copy_map(proposer.draft_stats) if isinstance(proposer, DraftStats) else {},
+            num_speculative_tokens=speculation_length(proposer))
 
 
 class RequestStream:
@@ -304,17 +305,6 @@ class RequestStream:
             self._owner._release(self.request_id, abort=not self._is_finished)
 
 
-# -- optional proposer introspection: composite proposers may expose these, plain ones do not -------
-def _copy_map(value: object) -> dict[str, object]:
-    """A shallow copy of a proposer's optional `weights` or `draft_stats` mapping ({} if it has none)."""
-    return {str(k): v for k, v in value.items()} if isinstance(value, Mapping) else {}
-
-
-def _spec_len(proposer: object) -> int | None:
-    """The current speculation length: an adaptive controller's `spec_len`, else the configured one."""
-    for holder in (proposer, getattr(proposer, "config", None), getattr(proposer, "cfg", None)):
-        for attr in ("spec_len", "num_speculative_tokens"):
-            value = getattr(holder, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+def _copy_map(value: Mapping) -> dict[str, object]:
+    """A shallow copy of a proposer's `weights` or `draft_stats` mapping."""
+    return {str(k): v for k, v in value.items()}

@@ -16,10 +16,10 @@ drafter thread's, and releases and feedback reach it as messages through the poo
 Overlap: PyTorch releases the GIL inside ops, so a drafter's forward runs while the target's does.
 On a GPU each drafter issues its kernels on its own CUDA stream. On the CPU the two share the cores:
 `PipelineConfig.target_threads` / `draft_threads` split them (the OpenMP team size is per thread).
-Measured on a shared 2-core CPU, the split is ~2x faster than letting both threads use 2-thread teams,
-but the pipeline still loses to a single-threaded plain engine (~0.8x): both roles compete for the
-same cores and the m micro-batches read the target's weights m times per round. The overlap pays
-where drafts and target have their own compute: GPU streams, or drafts in other processes/devices.
+Splitting avoids two full-size OpenMP teams oversubscribing the cores, but on a CPU both roles still
+compete for the same cores, and the m micro-batches read the target's weights m times per round
+(benchmarks/bench_pipeline.py measures it). The overlap pays where drafts and target have their own
+compute: GPU streams, or drafts in other processes or devices.
 """
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.model import DecoderLM
-from specfleet.spec.pipeline import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
+from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
                                      TargetClock, pipeline_stats, target_batch_size)
-from specfleet.spec.proposer import Feedback, Proposer
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import Feedback, Proposer
 
 
 class PipelinedEngine(Engine):
@@ -54,7 +53,7 @@ class PipelinedEngine(Engine):
         self.pipeline.validate()
         super().__init__(model, tokenizer, config, None, device)
         self.pool = ResultPool(len(drafters))
-        self.proposer = _PooledProposer(drafters, self.pool)
+        self.drafters = _DrafterRouter(drafters, self.pool)
         pc = self.pipeline
         self.search = MicroBatchSearch(pc.max_micro_batches, pc.search_window, pc.search_min_gain,
                                        pc.num_micro_batches)
@@ -96,12 +95,12 @@ class PipelinedEngine(Engine):
         t_enter = time.perf_counter()
         self.pool.set_capacity(self._target_batch())
         num_taken = self._take(wait=False)
-        sched = self._schedule_unparked()
+        sched = self._schedule()
         if sched.is_empty and self.pool.num_outstanding:
             t_wait = time.perf_counter()  # nothing to verify: the target idles until drafts arrive
             num_taken += self._take(wait=True)
             self.clock.idle_s += time.perf_counter() - t_wait
-            sched = self._schedule_unparked()
+            sched = self._schedule()
         if sched.is_empty:
             return []
         emitted_before = self.stats.num_emitted
@@ -151,34 +150,27 @@ class PipelinedEngine(Engine):
         if e.tree is not None and len(e.tree) and room > 0:
             req.draft = e.tree if len(e.tree) <= room else e.tree.truncated(room)
 
-    def _schedule_unparked(self) -> SchedulerOutput:
-        """Schedule with the parked requests hidden from the scheduler: they are neither scheduled
-        nor preempted, but still count against max_num_seqs. (Hook wanted in Scheduler.schedule.)"""
-        sch = self.scheduler
-        everyone = sch.running
-        num_parked = sum(1 for r in everyone if r.request_id in self._parked)
-        sch.running = [r for r in everyone if r.request_id not in self._parked]
-        sch.max_num_seqs -= num_parked
-        try:
-            out = sch.schedule()
-        finally:
-            sch.max_num_seqs += num_parked
-            after = {id(r) for r in sch.running}
-            before = {id(r) for r in everyone}
-            # keep admission order (preemption picks the most recent), admitted requests at the end
-            sch.running = ([r for r in everyone if id(r) in after or r.request_id in self._parked]
-                           + [r for r in sch.running if id(r) not in before])
+    def _schedule(self) -> SchedulerOutput:
+        """Schedule with the parked requests held out (they are out with their drafters)."""
+        out = self.scheduler.schedule(parked=self._parked)
         for req in out.preempted:
-            self.proposer.release(req.request_id)
+            self.drafters.release(req.request_id)
         return out
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Forward, verify, commit (Engine._execute), then feedback; no propose phase: drafters propose."""
-        outputs, feedback = self._execute(sched)
+        """Forward, verify, commit (the shared StepExecutor), then feedback; drafter threads propose."""
+        outputs, feedback = self.executor.execute(sched)
         if feedback:
-            self.proposer.observe(feedback)
-        self.proposer.end_step()
+            self.drafters.observe(feedback)
+        self.drafters.end_step()
         return outputs
+
+    @property
+    def draft_source(self) -> Proposer:
+        return self.drafters.drafters[0]
+
+    def _release_draft(self, request_id: str) -> None:
+        self.drafters.release(request_id)  # a message to the drafter that owns the request
 
     def _submit_ready(self) -> None:
         """Park every request whose verification is committed and hand it to its drafter."""
@@ -186,22 +178,20 @@ class PipelinedEngine(Engine):
             if (r.status == RequestStatus.RUNNING and r.num_uncomputed == 1 and r.draft is None
                     and r.request_id not in self._parked):
                 self._parked.add(r.request_id)
-                self.pool.submit(self.proposer.drafter_for(r.request_id), r)
+                self.pool.submit(self.drafters.drafter_for(r.request_id), r)
 
     def _finish(self, req: Request) -> None:
-        super()._finish(req)  # releases through self.proposer, i.e. a message to the drafter
+        super()._finish(req)  # releases through _release_draft, i.e. a message to the drafter
         self._parked.discard(req.request_id)
 
 
-class _PooledProposer:
+class _DrafterRouter:
     """The engine's handle on its drafters: observe/release become messages through the pool to the
     drafter that owns the request (sticky, so a request's draft KV stays in one cache)."""
 
     def __init__(self, drafters: list[Proposer], pool: ResultPool):
         self.drafters = drafters
         self.pool = pool
-        self.name = "+".join(p.name for p in drafters)
-        self.config = getattr(drafters[0], "config", None)  # for introspection (speculation length)
         self._owner: dict[str, int] = {}
         self._released: dict[str, int] = {}  # released this step: their last feedback still goes out
 
@@ -211,9 +201,6 @@ class _PooledProposer:
             load = Counter(self._owner.values())
             d = self._owner[request_id] = min(range(len(self.drafters)), key=lambda i: load[i])
         return d
-
-    def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
-        raise RuntimeError("a pipelined engine drafts in its drafter threads, not through propose()")
 
     def observe(self, feedback: list[Feedback]) -> None:
         by_drafter: dict[int, list[Feedback]] = defaultdict(list)
@@ -249,7 +236,10 @@ class _DraftWorker(threading.Thread):
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while (claim := self.pool.claim(self.index)) is not None:
                     for kind, payload in claim.messages:
-                        getattr(self.proposer, kind)(payload)  # observe(feedback) / release(request_id)
+                        if kind == "observe":
+                            self.proposer.observe(payload)
+                        else:
+                            self.proposer.release(payload)
                     if claim.requests:
                         self._draft(claim.requests, stream)
         except BaseException as e:  # noqa: BLE001 - handed to the engine thread, which re-raises it

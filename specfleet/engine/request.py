@@ -1,5 +1,7 @@
 """A request's state: its tokens, its progress counters, its pending draft and its statistics.
 
+Proposers see it through core.proposer.RequestView (read-only).
+
 Progress is two counters (see ARCHITECTURE.md): `num_tokens` (prompt + output) and
 `num_computed_tokens` (tokens whose KV is in the target cache). Normally the last output token is
 not yet computed: it is the input of the next forward. Rollback is arithmetic on these counters
@@ -13,9 +15,31 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.metrics import SpecStats
-from specfleet.spec.tree import DraftTree
+from specfleet.core.stats import SpecStats
+from specfleet.core.tree import DraftTree
+
+
+class PromptError(InvalidRequestError):
+    """A prompt the engine cannot take; `param` and `code` are the OpenAI error fields."""
+
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The engine's admission rules for a prompt (the server checks them before a response starts)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise PromptError("the prompt is empty; give at least one token")
+    if n >= max_model_len:
+        raise PromptError(f"the prompt has {n} tokens but the context holds {max_model_len}; "
+                          f"shorten the prompt (nothing is truncated silently)", code="context_length_exceeded")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 class RequestStatus(enum.Enum):
@@ -44,6 +68,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+    _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +76,16 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + output, kept as one list that grows with the output (read it, do not mutate it)."""
+        if len(self._all_token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
+            self._all_token_ids = self.prompt_token_ids + self.output_token_ids  # first use, or a rebuild
+        return self._all_token_ids
+
+    def append_output(self, token: int, origin: str) -> None:
+        self.output_token_ids.append(token)
+        self.output_origins.append(origin)
+        if len(self._all_token_ids) == self.num_tokens - 1:
+            self._all_token_ids.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from specfleet.engine.block_manager import BlockManager
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.engine.request import Request, RequestStatus
 
 
@@ -76,6 +77,7 @@ class Scheduler:
         self.max_num_prefills = max_num_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._parked: Collection[str] = ()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -93,20 +95,31 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, parked: Collection[str] = ()) -> SchedulerOutput:
+        """One step's batch. `parked` requests (a pipelined engine's, out with their drafters) are
+        neither scheduled nor preempted, but hold their places and count against max_num_seqs."""
+        self._parked = parked
         out = SchedulerOutput()
         budget = self._schedule_decodes(out)
         self._schedule_prefills(out, budget)
-        while not out.scheduled and self.running:  # everyone's chunk is short of blocks: make room
-            self._preempt(self.running[-1], out)
+        while not out.scheduled and self._victim() is not None:  # every chunk is short of blocks: make room
+            self._preempt(self._victim(), out)
             self._schedule_prefills(out, budget)
         return out
+
+    def _victim(self) -> Request | None:
+        """The most recently admitted request that is not parked: the one to preempt."""
+        for req in reversed(self.running):
+            if req.request_id not in self._parked:
+                return req
+        return None
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         """Pass 1: every decoding request's last token and its draft. Returns the budget left."""
         budget = self.max_num_batched_tokens
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or req.num_uncomputed != 1 or budget == 0:
+            if req.status != RequestStatus.RUNNING or req.num_uncomputed != 1 or budget == 0 \
+                    or req.request_id in self._parked:
                 continue
             with_draft = req.draft is not None and 1 + req.num_draft_tokens <= budget
             while True:
@@ -115,7 +128,7 @@ class Scheduler:
                 if with_draft:
                     with_draft = False
                     continue
-                self._preempt(self.running[-1], out)
+                self._preempt(self._victim(), out)
                 if req.status != RequestStatus.RUNNING:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -129,7 +142,8 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         """Pass 2: prompt chunks, the budget shared max-min fairly (see the module docstring)."""
-        partial = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1]
+        partial = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1
+                   and r.request_id not in self._parked]
         room = min(self.max_num_prefills - len(partial), self.max_num_seqs - len(self.running))
         admissible = [] if out.preempted else list(itertools.islice(self.waiting, max(0, room)))
         candidates = partial[:self.max_num_prefills] + admissible

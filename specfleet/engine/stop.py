@@ -30,8 +30,7 @@ class StopChecker:
 
     def append(self, req: Request, token: int, origin: str) -> bool:
         """Append one token; return True (and set finish_reason) if the request is now finished."""
-        req.output_token_ids.append(token)
-        req.output_origins.append(origin)
+        req.append_output(token, origin)
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason, req.stop_reason = "stop", token

@@ -1,7 +1,7 @@
 """Device memory for a paged KV cache: one key and one value tensor per layer, indexed by flat slot.
 
 Slot s belongs to block s // block_size. The bookkeeping of which request owns which block lives in
-`specfleet.engine.block_manager`; this module only sizes and holds the tensors.
+`specfleet.runtime.block_manager`; this module only sizes and holds the tensors.
 """
 from __future__ import annotations
 

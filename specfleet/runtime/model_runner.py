@@ -1,7 +1,10 @@
 """Runs one model over a ragged batch: builds positions, slot mappings and masks, returns logits.
 
-This is the only layer between the engine's bookkeeping and the device. It owns the model and its
-KV cache tensors; block ownership comes in from a BlockManager.
+This is the only layer between bookkeeping and the device. It owns the model and its KV cache
+tensors; each item brings its request's block table (from the cache's BlockManager). It also owns
+the two things every verifier of a draft tree needs, so the target and a staged draft share them:
+the tree's forward item (`tree_item`: positions and mask of a prefix with a tree below its last
+token) and `commit_path` (keep an accepted path's KV, drop the rest).
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfleet.engine.block_manager import BlockManager
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.attention import AttentionBatch, SeqAttention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model import DecoderLM
@@ -32,6 +35,25 @@ class ForwardItem:
     # bool visibility of the new tokens: [n, n] over the new tokens (the whole context is visible),
     # or [n, context_len + n] when part of the context must stay hidden (a tree drafted level by level)
     new_mask: torch.Tensor | None = None
+    block_ids: list[int] | None = None  # the request's block table; None: looked up in execute's `blocks`
+
+
+def tree_item(request_id: str, tokens: list[int], context_len: int, tree: DraftTree,
+              block_ids: list[int] | None = None) -> ForwardItem:
+    """The forward of `tokens` (causal, after `context_len` cached ones) with `tree` hanging below the
+    last of them (the tree's root): logits for the root and every node. The layout puts node j at
+    context_len + len(tokens) + j; its rotary position is the root's plus its depth."""
+    n_prefix = len(tokens)
+    logit_rows = list(range(n_prefix - 1, n_prefix + len(tree)))
+    if not len(tree):
+        return ForwardItem(request_id, tokens, context_len, logit_rows, block_ids=block_ids)
+    n = n_prefix + len(tree)
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()  # the prefix is causal
+    mask[n_prefix - 1:, n_prefix - 1:] = tree.verify_mask()  # the tree below its root
+    mask[n_prefix:, :n_prefix - 1] = True  # every node sees the whole prefix
+    root = context_len + n_prefix - 1
+    positions = list(range(context_len, root)) + tree.verify_positions(root)
+    return ForwardItem(request_id, tokens + tree.token_ids, context_len, logit_rows, positions, mask, block_ids)
 
 
 class ModelRunner:
@@ -52,8 +74,9 @@ class ModelRunner:
         bt = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return (bt[:, None] * self.block_size + self._block_offsets).flatten()[:length]
 
-    def execute(self, items: list[ForwardItem], blocks: BlockManager) -> torch.Tensor:
-        """One forward over all items. Returns fp32 logits [sum of len(logit_indices), vocab] in item order."""
+    def execute(self, items: list[ForwardItem], blocks: BlockManager | None = None) -> torch.Tensor:
+        """One forward over all items. Returns fp32 logits [sum of len(logit_indices), vocab] in item order.
+        Items without a block table take their request's from `blocks`."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_maps, seqs, logit_rows = [], [], []
@@ -61,8 +84,9 @@ class ModelRunner:
         for it in items:
             n = len(it.token_ids)
             total = it.context_len + n
-            assert blocks.num_tokens(it.request_id) >= total, "scheduler must reserve slots before a forward"
-            kv = self._request_kv(blocks.block_ids(it.request_id), total)
+            block_ids = it.block_ids if it.block_ids is not None else blocks.block_ids(it.request_id)
+            assert len(block_ids) * self.block_size >= total, "slots must be reserved before a forward"
+            kv = self._request_kv(block_ids, total)
             if isinstance(kv, slice):
                 slot_maps.append(torch.arange(kv.start + it.context_len, kv.stop, device=self.device))
             else:
@@ -94,3 +118,13 @@ class ModelRunner:
                 context_mask = None
             mask = mask[:, c:]
         return SeqAttention(n, c, kv, mask, context_mask)
+
+    def commit_path(self, blocks: BlockManager, request_id: str, base: int, path: list[int]) -> None:
+        """Keep the KV of an accepted tree path: node j of the tree sits at layout index base + j; the
+        path's nodes move to base, base + 1, ... (nothing moves when the path is the first nodes in
+        order, as for a chain) and everything after them is truncated."""
+        if path != list(range(len(path))):
+            src = torch.tensor([blocks.slot(request_id, base + j) for j in path], device=self.device)
+            dst = torch.tensor([blocks.slot(request_id, base + i) for i in range(len(path))], device=self.device)
+            self.kv.copy_slots(src, dst)
+        blocks.truncate(request_id, base + len(path))

@@ -51,3 +51,22 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+class GeneratorStore:
+    """One seeded generator per request for a draft's own sampling. The seed is derived from the
+    request's with a per-proposer `salt`, so a draft's random stream never repeats the target's."""
+
+    def __init__(self, device: torch.device, salt: int):
+        self.device, self.salt = device, salt
+        self._generators: dict[str, torch.Generator] = {}
+
+    def get(self, req) -> torch.Generator:
+        g = self._generators.get(req.request_id)
+        if g is None:
+            seed = None if req.params.seed is None else (req.params.seed * 1_000_003 + self.salt) % (2**63)
+            g = self._generators[req.request_id] = make_generator(seed, self.device)
+        return g
+
+    def pop(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)

@@ -1,6 +1,6 @@
 """`python -m specfleet.server ...`: the same as `specfleet serve ...`."""
 import sys
 
-from specfleet.server.cli import main
+from specfleet.cli.serve import main
 
 sys.exit(main())

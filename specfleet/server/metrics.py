@@ -2,7 +2,7 @@
 
 Engine-side numbers (queue, KV blocks, speculation) are not pushed every step: a collector reads the
 AsyncEngine's latest immutable snapshot at scrape time, so the engine thread never touches
-prometheus objects. Speculation metrics follow the conventions of `specfleet/spec/metrics.py`.
+prometheus objects. Speculation metrics follow the conventions of `specfleet/core/stats.py`.
 Each app gets its own registry, so several apps (tests) can live in one process.
 
 Per-draft metrics appear when the proposer exposes them (composite proposers: voting, selection):
@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from specfleet.engine.async_engine import AsyncEngine
 from specfleet.outputs import RequestOutput
-from specfleet.spec.metrics import SpecStats
+from specfleet.core.stats import SpecStats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
@@ -93,8 +93,9 @@ class _EngineCollector(Collector):
         per_step = s.num_drafted / s.num_steps if s.num_steps else 0.0
         yield gauge("specfleet_spec_draft_tokens_per_step", "Observed speculation length (drafted / steps)",
                     per_step)
-        if snap.spec_len is not None:
-            yield gauge("specfleet_spec_length", "Configured or current speculation length", snap.spec_len)
+        if snap.num_speculative_tokens is not None:
+            yield gauge("specfleet_spec_length", "Current speculation length (an adaptive controller's choice, "
+                        "else the configured one)", snap.num_speculative_tokens)
         by_pos = GaugeMetricFamily("specfleet_spec_acceptance_by_position",
                                    "Fraction of steps whose accepted path reached this depth", labels=["position"])
         for k, rate in enumerate(s.acceptance_by_position, start=1):

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specfleet.engine.request import PromptError
+from specfleet.engine.request import check_prompt as engine_check_prompt
 from specfleet.outputs import RequestOutput
 from specfleet.sampling_params import SamplingParams
 from specfleet.server.errors import APIError
@@ -34,17 +36,10 @@ def new_request_id(kind: str) -> str:
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """The engine's admission rules, checked before a response starts (so they can be a 400)."""
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise APIError(400, "the prompt is empty; give at least one token", param="prompt")
-    if n >= max_model_len:
-        raise APIError(400, f"the prompt has {n} tokens but this model's context holds {max_model_len}; "
-                            f"shorten the prompt (nothing is truncated silently)", param="prompt",
-                       code="context_length_exceeded")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                       param="prompt")
+    try:
+        engine_check_prompt(prompt_token_ids, vocab_size, max_model_len)
+    except PromptError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -98,7 +93,7 @@ def usage(out: RequestOutput) -> dict[str, int]:
 
 
 def spec_block(out: RequestOutput) -> dict[str, Any]:
-    """This request's speculation statistics (conventions in specfleet/spec/metrics.py)."""
+    """This request's speculation statistics (conventions in specfleet/core/stats.py)."""
     m = out.metrics
     return {"steps": m.get("steps", 0), "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
             "mean_accepted_length": m.get("mean_accepted_length", 0.0),

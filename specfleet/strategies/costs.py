@@ -29,7 +29,7 @@ from collections import deque
 
 import numpy as np
 
-from specfleet.spec.tree import DraftTree
+from specfleet.core.tree import DraftTree
 
 
 class LinearFit:

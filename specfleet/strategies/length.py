@@ -40,11 +40,11 @@ y at s=3 is then [9, 9, 9] the fit over [12 x3, 9 x3] falls, so the controller c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.proposer import Feedback, Proposer
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import DraftStats, DraftWeights, Feedback, Proposer, prepare_kv, set_speculation_length
+from specfleet.core.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -84,22 +84,6 @@ class LengthConfig:
         if self.reward_step < 1 or self.punish_step < 1 or self.flat_tolerance < 0 or self.probe_every < 0:
             raise InvalidRequestError("adaptive length: reward_step and punish_step must be >= 1, "
                                       "flat_tolerance and probe_every >= 0")
-
-
-def set_speculation_length(proposer: Proposer, n: int) -> bool:
-    """Tell a proposer to draft `n` tokens deep; False when it has no such setting."""
-    setter = getattr(proposer, "set_num_speculative_tokens", None)
-    if setter is not None:
-        setter(n)
-        return True
-    config = getattr(proposer, "config", None)
-    if config is not None and hasattr(config, "num_speculative_tokens"):
-        try:
-            config.num_speculative_tokens = n  # DraftModelConfig, PromptLookupConfig: mutable dataclasses
-        except AttributeError:  # frozen: replace it
-            proposer.config = replace(config, num_speculative_tokens=n)
-        return True
-    return False
 
 
 def prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -187,12 +171,23 @@ class LengthController:
         return self.monitor.length
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """The current adaptive length (0: speculation is off for now)."""
+        return self.monitor.length
+
+    @property
     def weights(self) -> dict:
-        return dict(getattr(self.inner, "weights", {}) or {})
+        return dict(self.inner.weights) if isinstance(self.inner, DraftWeights) else {}
 
     @property
     def draft_stats(self) -> dict:
-        return dict(getattr(self.inner, "draft_stats", {}) or {})
+        return dict(self.inner.draft_stats) if isinstance(self.inner, DraftStats) else {}
+
+    def state(self) -> dict:
+        info = {"length": self.length, "overhead_s": {k: round(v, 6) for k, v in self.overhead_s.items()}}
+        if self.weights:
+            info["weights"] = {k: round(v, 4) for k, v in self.weights.items()}
+        return info
 
     def _observe_step(self, requests: list, now: float) -> None:
         """y since these requests' previous drafts: wall time over the tokens they gained. Per request
@@ -233,5 +228,4 @@ class LengthController:
             set_speculation_length(self.inner, self.monitor.length)
 
     def prepare(self, requests: list) -> None:
-        from specfleet.spec.compose import prepare_kv
         prepare_kv(self.inner, requests)

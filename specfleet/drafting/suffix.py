@@ -28,11 +28,10 @@ import math
 from dataclasses import dataclass
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.proposer import Feedback, register
-from specfleet.spec.suffix_tree import Cursor, SuffixTrie
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import Feedback, register
+from specfleet.drafting.suffix_tree import Cursor, SuffixTrie
+from specfleet.core.tree import DraftTree
 
-MAX_TRACKED = 10_000  # requests whose prompt length is remembered across preemption
 
 
 @dataclass
@@ -107,7 +106,10 @@ class SuffixProposer:
         self.trie_depth = self.config.max_match + self.config.max_depth
         self.global_trie = SuffixTrie(self.trie_depth)
         self._requests: dict[str, _RequestState] = {}
-        self._prompt_lengths: dict[str, int] = {}
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.depth
 
     def set_num_speculative_tokens(self, n: int) -> None:
         """+adaptive sets the draft depth; the tries were sized for `max_depth`, so it caps the length."""
@@ -116,14 +118,7 @@ class SuffixProposer:
     def _state(self, req, tokens: list[int]) -> _RequestState:
         state = self._requests.get(req.request_id)
         if state is None:
-            # a request first drafts right after its prefill emitted one token; a pipelined drafter's
-            # snapshot has no prompt, and a preempted request's length is remembered from before
-            prompt = getattr(req, "prompt_token_ids", None)
-            n_prompt = len(prompt) if prompt is not None else self._prompt_lengths.get(req.request_id, len(tokens) - 1)
-            self._prompt_lengths.pop(req.request_id, None)
-            self._prompt_lengths[req.request_id] = n_prompt
-            while len(self._prompt_lengths) > MAX_TRACKED:
-                del self._prompt_lengths[next(iter(self._prompt_lengths))]
+            n_prompt = len(req.prompt_token_ids)
             state = _RequestState(SuffixTrie(self.trie_depth), n_prompt)
             state.trie.add(req.request_id, tokens)
             self._requests[req.request_id] = state

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from specfleet.errors import InvalidRequestError, SpecfleetError
-from specfleet.spec.ngram_model import NgramModel
+from specfleet.drafting.ngram_model import NgramModel
 
 
 def add_ngram_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Building a proposer from a draft spec (see compose.py for the grammar) and its settings.
+"""Building a proposer from a draft spec (see grammar.py) and its settings.
 
 `build_proposer(draft, spec, target_vocab_size, dtype, device)` is what specfleet.llm calls; `build`
 does the same with a caller-supplied model loader (tests hand in tiny models by name).
@@ -6,25 +6,29 @@ does the same with a caller-supplied model loader (tests hand in tiny models by 
 from __future__ import annotations
 
 import copy
+from typing import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from specfleet.core.model_ref import ModelRef
 from specfleet.errors import InvalidRequestError
-from specfleet.spec import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
-from specfleet.spec.compose import MODEL_ALIASES, LoadModel, Node, apply_options, leaf_names, leaves, parse
-from specfleet.spec.cross_vocab import cross_vocab_draft
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.fleet import FleetConfig, FleetProposer
-from specfleet.spec.length import LengthConfig, LengthController
-from specfleet.spec.ngram_model import NgramConfig, NgramModel, NgramProposer
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from specfleet.spec.proposer import Proposer, get_factory, registered_names
-from specfleet.spec.selector import SelectorConfig, SelectorProposer
-from specfleet.spec.staged import StagedConfig, StagedProposer
-from specfleet.spec.suffix import SuffixConfig, SuffixProposer
-from specfleet.spec.vote import VoteConfig, VoteProposer
+from specfleet.drafting import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
+from specfleet.core.proposer import leaves
+from specfleet.strategies.grammar import MODEL_ALIASES, Node, NodeKind, apply_options, leaf_names, parse
+from specfleet.drafting.cross_vocab import cross_vocab_draft
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.strategies.fleet import FleetConfig, FleetProposer
+from specfleet.strategies.length import LengthConfig, LengthController
+from specfleet.drafting.ngram_model import NgramConfig, NgramModel, NgramProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.core.proposer import Proposer, get_factory, registered_names
+from specfleet.strategies.selector import SelectorConfig, SelectorProposer
+from specfleet.drafting.staged import StagedConfig, StagedProposer
+from specfleet.drafting.suffix import SuffixConfig, SuffixProposer
+from specfleet.strategies.vote import VoteConfig, VoteProposer
 
+LoadModel = Callable[..., object]  # (name, quantization=None) -> model
 LOOKUP_NAMES = ("prompt-lookup", "lookup")
 LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
 SUFFIX_ALIASES = {"k": "max_depth", "nodes": "max_nodes", "global": "use_global"}  # `global` is a Python keyword
@@ -47,7 +51,7 @@ class SpecConfig:
 
 def build_proposer(draft: str | None, spec: SpecConfig, target_vocab_size: int, dtype: torch.dtype,
                    device: torch.device, quantization: str | None = None, target_tokenizer=None) -> Proposer | None:
-    """`target_tokenizer` lets a draft model of another vocabulary draft through text (spec/cross_vocab.py)."""
+    """`target_tokenizer` lets a draft model of another vocabulary draft through text (drafting/cross_vocab.py)."""
     if draft is None or draft.strip().lower() in ("", "none"):
         return None
     node = parse(draft)
@@ -81,28 +85,26 @@ class ModelCache:
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self._variants: dict[str, set[str]] = {}
         for n in names:
-            self._variants.setdefault(n.rpartition("@")[0] if "@" in n else n, set()).add(n)
-        self._models: dict[str, object] = {}
+            try:
+                self._variants.setdefault(ModelRef.parse(n).name, set()).add(n)
+            except InvalidRequestError:
+                pass  # reported when the draft is built
+        self._models: dict[object, object] = {}
 
     def __call__(self, name: str, quantization: str | None = None):
         """The model `name`; `quantization` (a draft's `[quant=...]`) overrides the engine-wide mode."""
-        from specfleet.llm import load_model
+        from specfleet.runtime import load
         from specfleet.runtime.quant import parse_quantization
 
         quant = self.quantization if quantization is None else parse_quantization(quantization)
-
-        base, _, depth = name.rpartition("@") if "@" in name else (name, "", "")
-        if len(self._variants.get(base, {name})) == 1:
-            key = name
-        else:
-            key = base
-            if depth and not depth.isdigit():
-                raise InvalidRequestError(f"in 'MODEL@N', N must be a positive layer count, got {depth!r}")
+        ref = ModelRef.parse(name)
+        # a base named at one depth only is loaded at that depth; else whole, and the cuts share it
+        key = name if len(self._variants.get(ref.name, {name})) == 1 else ref.name
         if (key, quant) not in self._models:
-            self._models[key, quant] = load_model(key, self.dtype, self.device, with_tokenizer=False,
-                                                  quantization=quant)[0]
+            self._models[key, quant] = load.load_model(key, self.dtype, self.device, with_tokenizer=False,
+                                                       quantization=quant)[0]
         model = self._models[key, quant]
-        return layer_cut(model, int(depth)) if key != name else model
+        return layer_cut(model, ref.num_layers) if key != name else model
 
 
 def _guess(raw: str):
@@ -123,7 +125,9 @@ class _Builder:
         self.ngram_models: dict[tuple, NgramModel] = {}
 
     def build(self, node: Node) -> Proposer:
-        return getattr(self, f"_{node.kind}")(node)
+        build = {NodeKind.LEAF: self._leaf, NodeKind.VOTE: self._vote, NodeKind.SELECT: self._select,
+                 NodeKind.FLEET: self._fleet, NodeKind.ADAPTIVE: self._adaptive, NodeKind.STAGED: self._staged}
+        return build[node.kind](node)
 
     def _leaf(self, node: Node) -> Proposer:
         key = str(node)
@@ -174,7 +178,7 @@ class _Builder:
 
     def _staged(self, node: Node) -> Proposer:
         inner = node.children[0]
-        if inner.kind != "leaf" or inner.name in LOOKUP_NAMES or inner.name in ("ngram", *registered_names()):
+        if inner.kind != NodeKind.LEAF or inner.name in LOOKUP_NAMES or inner.name in ("ngram", *registered_names()):
             raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
                                       f"follow a model name, as in qwen-0.5b+ngram")
         # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path)

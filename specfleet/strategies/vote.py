@@ -35,9 +35,8 @@ import time
 from dataclasses import dataclass
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.length import set_speculation_length
-from specfleet.spec.proposer import Feedback, Proposer
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import prepare_kv, set_speculation_length, speculation_length, Feedback, Proposer
+from specfleet.core.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -196,11 +195,19 @@ class VoteProposer:
         for c in self.children:
             c.release(request_id)
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The deepest voter's length (a voter without a length, such as a plugin, does not count)."""
+        return max((n for n in map(speculation_length, self.children) if n is not None), default=0)
+
     def set_num_speculative_tokens(self, n: int) -> None:
         for c in self.children:
             set_speculation_length(c, n)
 
     def prepare(self, requests: list) -> None:
-        from specfleet.spec.compose import prepare_kv
         for c in self.children:
             prepare_kv(c, requests)
+
+    def state(self) -> dict:
+        return {"weights": {k: round(v, 4) for k, v in self.weights.items()},
+                "overhead_s": {k: round(v, 6) for k, v in self.overhead_s.items()}}

@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specfleet.engine.block_manager import BlockManager
-from specfleet.engine.request import Request
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model import DecoderLM
+from specfleet.core.proposer import Feedback, RequestView
+from specfleet.core.tree import DraftTree
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.sampling import make_generator, target_probs
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.tree import DraftTree
+from specfleet.runtime.sampling import GeneratorStore, target_probs
 
 
 @dataclass
@@ -79,13 +78,13 @@ class DraftModelProposer:
         self.vocab_size = model.config.vocab_size
         self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
                                   self.device, cc.head_vocab)
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = GeneratorStore(self.device, salt=17)
         # request id -> (committed tokens its draft cache held when it last drafted or prepared, the draft
         # tokens fed after them): the cache holds all_token_ids[:base] + fed (committed tokens never change)
         self._cached: dict[str, tuple[int, list[int]]] = {}
 
     # -- protocol --------------------------------------------------------------------------------
-    def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
+    def propose(self, requests: list[RequestView]) -> dict[str, DraftTree]:
         seen = {r.request_id: self.sync(r) for r in requests}  # valid tokens already in the draft cache
         ready = [r for r in requests if self._reserve_catch_up(r)]
         if not ready:
@@ -95,7 +94,7 @@ class DraftModelProposer:
             have = seen[r.request_id]
             toks = r.all_token_ids
             items.append(ForwardItem(r.request_id, toks[have:], have, [len(toks) - have - 1]))
-        logits = self.runner.execute(items, self.blocks)  # [len(ready), vocab]
+        logits = self.forward(items)  # [len(ready), vocab]
         chain = self.config.top_children == 1
         trees: dict[str, DraftTree] = {}
         try:
@@ -117,7 +116,35 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         self.blocks.free(request_id)
         self._cached.pop(request_id, None)
-        self._generators.pop(request_id, None)
+        self.generators.pop(request_id)
+
+    # -- capabilities (core/proposer.py) and the narrow API a staged draft uses -------------------
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        self.config.num_speculative_tokens = n  # in place: a cross-vocabulary wrapper shares this config
+
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """One draft-model forward over the draft cache (items take their block tables from it)."""
+        return self.runner.execute(items, self.blocks)
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        return self.blocks.num_tokens(request_id)
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Room for `num_tokens` more tokens in the draft cache, or False when it is full."""
+        return self.blocks.reserve(request_id, num_tokens)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Keep at most the first `num_tokens` cached tokens of the request."""
+        if self.blocks.num_tokens(request_id) > num_tokens:
+            self.blocks.truncate(request_id, num_tokens)
+
+    def commit_path(self, request_id: str, base: int, path: list[int]) -> None:
+        """Keep an accepted tree path's KV (node j at layout base + j), drop the rest."""
+        self.runner.commit_path(self.blocks, request_id, base, path)
 
     def free_kv(self, request_id: str) -> None:
         """Drop the request's draft KV but keep its generator (a selector switched it away)."""
@@ -153,49 +180,24 @@ class DraftModelProposer:
             have = self.sync(r)  # drops stale draft tokens
             if upto <= have or r.num_tokens + self.config.draft_slots >= self.model.config.max_position_embeddings:
                 continue
-            if not self.blocks.has(rid):
-                if not self.blocks.can_allocate(upto):
-                    continue
-                self.blocks.allocate(rid, upto)
-            elif self.blocks.can_append(rid, upto - have):
-                self.blocks.append(rid, upto - have)
-            else:
+            if not self.reserve(rid, upto - have):
                 continue
             items.append(ForwardItem(rid, r.all_token_ids[have:upto], have, [upto - have - 1]))
             self._cached[rid] = (upto, [])
         if items:
-            self.runner.execute(items, self.blocks)
+            self.forward(items)
 
     # -- internals -------------------------------------------------------------------------------
-    def _committed(self, req: Request) -> int:
-        return self.blocks.num_tokens(req.request_id)
-
-    def _reserve_catch_up(self, req: Request) -> bool:
+    def _reserve_catch_up(self, req: RequestView) -> bool:
         """Reserve slots for the catch-up and the whole draft at once (so a batch can never run out
         halfway); skip the request when the draft cache is full."""
         if req.num_tokens + self.config.draft_slots >= self.model.config.max_position_embeddings:
             return False
         rid = req.request_id
-        catch_up = req.num_tokens - self._committed(req)
-        need = catch_up + self.config.draft_slots
-        if not self.blocks.has(rid):
-            if not self.blocks.can_allocate(need):
-                return False
-            self.blocks.allocate(rid, need)
-            return True
-        if not self.blocks.can_append(rid, need):
-            return False
-        self.blocks.append(rid, need)
-        return True
+        catch_up = req.num_tokens - self.num_cached_tokens(rid)
+        return self.reserve(rid, catch_up + self.config.draft_slots)
 
-    def _generator(self, req: Request) -> torch.Generator:
-        g = self._generators.get(req.request_id)
-        if g is None:
-            seed = None if req.params.seed is None else (req.params.seed * 1_000_003 + 17) % (2**63)
-            g = self._generators[req.request_id] = make_generator(seed, self.device)
-        return g
-
-    def _draft_chains(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, DraftTree]:
+    def _draft_chains(self, reqs: list[RequestView], logits: torch.Tensor) -> dict[str, DraftTree]:
         k = self.config.num_speculative_tokens
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -205,18 +207,18 @@ class DraftModelProposer:
                     tokens[i].append(int(logits[i].argmax()))
                 else:
                     q = target_probs(logits[i:i + 1], r.params)[0]
-                    tokens[i].append(int(torch.multinomial(q, 1, generator=self._generator(r))))
+                    tokens[i].append(int(torch.multinomial(q, 1, generator=self.generators.get(r))))
                     # verification needs q over the whole vocabulary; tokens past a cut head have q = 0
                     probs[i].append(torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[0])))
             if step == k - 1:
                 break
             # draft token `step` sits right after the committed tokens and the earlier draft tokens
             items = [ForwardItem(r.request_id, [tokens[i][-1]], r.num_tokens + step, [0]) for i, r in enumerate(reqs)]
-            logits = self.runner.execute(items, self.blocks)
+            logits = self.forward(items)
         return {r.request_id: DraftTree.chain(tokens[i], self.name, torch.stack(probs[i]) if probs[i] else None)
                 for i, r in enumerate(reqs)}
 
-    def _draft_tree(self, req: Request, root_logits: torch.Tensor) -> DraftTree:
+    def _draft_tree(self, req: RequestView, root_logits: torch.Tensor) -> DraftTree:
         cfg = self.config
         rid = req.request_id
         base = req.num_tokens  # layout index of tree node 0 in the draft cache
@@ -248,8 +250,7 @@ class DraftModelProposer:
                 for a in paths[first_new + i]:
                     mask[i, (base + a) if a < first_new else (ctx + i)] = True
             positions = [base + len(paths[first_new + i]) for i in range(n_new)]
-            out = self.runner.execute([ForwardItem(rid, tokens[first_new:], ctx, list(range(n_new)), positions, mask)],
-                                      self.blocks)
+            out = self.forward([ForwardItem(rid, tokens[first_new:], ctx, list(range(n_new)), positions, mask)])
             frontier = [(first_new + i, scores[first_new + i], torch.log_softmax(out[i], -1)) for i in range(n_new)]
         # keep the best max_nodes nodes; shallower first on ties so ancestors always survive
         order = sorted(range(len(tokens)), key=lambda j: (-scores[j], len(paths[j]), j))[:cfg.max_nodes]

@@ -6,6 +6,8 @@ p % block_size`. The verbs are symmetric:
 
     can_allocate / allocate   a request's first `n` tokens
     can_append / append       `n` more tokens at the end (a decode step, or a draft tree to verify)
+    reserve                   `n` more tokens, allocating the table if the request has none;
+                              False (and nothing changes) when the blocks are not there
     truncate                  keep only the first `n` tokens (speculative rollback), freeing blocks
     free                      drop the request entirely
 
@@ -83,6 +85,18 @@ class BlockManager:
         except OutOfBlocks:
             del self._tables[request_id]
             raise
+
+    def reserve(self, request_id: str, num_new_tokens: int) -> bool:
+        """Allocate-or-append in one call: room for `num_new_tokens` more tokens, or False."""
+        if request_id not in self._tables:
+            if not self.can_allocate(num_new_tokens):
+                return False
+            self.allocate(request_id, num_new_tokens)
+            return True
+        if not self.can_append(request_id, num_new_tokens):
+            return False
+        self.append(request_id, num_new_tokens)
+        return True
 
     def append(self, request_id: str, num_new_tokens: int) -> None:
         """Reserve slots for `num_new_tokens` more tokens of an existing request."""

@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfleet.engine.request import Request
 from specfleet.extras import require
 from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.model import DecoderLM, Rotary
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.runtime.quant import quantize_model
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.tree import DraftTree
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.core.proposer import Feedback, RequestSnapshot, RequestView
+from specfleet.core.tree import DraftTree
 
 
 def require_ray():
@@ -79,26 +78,28 @@ class DraftWorker:
             model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
             model = model.eval().requires_grad_(False)
         else:
-            from specfleet.llm import load_model
+            from specfleet.runtime.load import load_model
 
             model, _ = load_model(spec.name, dtype, device, with_tokenizer=False)
         quantize_model(model, spec.quantization)
         self.proposer = DraftModelProposer(model, spec.name, spec.config, spec.target_vocab_size, device)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, RequestSnapshot] = {}  # the worker's mirror of each request's tokens
 
-    def propose(self, deltas: list[RequestDelta]) -> dict[str, DraftTree]:
+    def propose(self, deltas: list[RequestDelta], num_speculative_tokens: int | None = None) -> dict[str, DraftTree]:
+        if num_speculative_tokens is not None:
+            self.proposer.set_num_speculative_tokens(num_speculative_tokens)
         return self.proposer.propose([self._apply(d) for d in deltas])
 
-    def _apply(self, d: RequestDelta) -> Request:
+    def _apply(self, d: RequestDelta) -> RequestSnapshot:
         req = self._requests.get(d.request_id)
         if req is None:
             if d.start != 0 or d.params is None:
                 raise RuntimeError(f"worker has no state for {d.request_id!r} but got a delta from {d.start}")
-            req = self._requests[d.request_id] = Request(d.request_id, list(d.token_ids), d.params)
+            req = self._requests[d.request_id] = RequestSnapshot(d.request_id, list(d.token_ids), d.params)
         elif d.start != req.num_tokens:
             raise RuntimeError(f"{d.request_id!r}: worker holds {req.num_tokens} tokens, delta starts at {d.start}")
         else:
-            req.prompt_token_ids.extend(d.token_ids)  # the mirror keeps every token as "prompt"
+            req.all_token_ids.extend(d.token_ids)  # the mirror counts every token as prompt
         return req
 
     def observe(self, feedback: list[Feedback]) -> None:
@@ -122,10 +123,11 @@ class RemoteProposer:
         self._actor = ray.remote(DraftWorker).options(**(actor_options or {})).remote(spec)
         self.name = spec.name
         self.config = spec.config
+        self._length = spec.config.num_speculative_tokens  # sent with every draft call
         self._sent: dict[str, int] = {}  # tokens the worker holds, per request
         self._pending: list = []  # refs of observe/release calls, checked at the next propose
 
-    def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
+    def propose(self, requests: list[RequestView]) -> dict[str, DraftTree]:
         ray = require_ray()
         deltas = []
         for r in requests:
@@ -133,10 +135,17 @@ class RemoteProposer:
             tokens = r.all_token_ids
             deltas.append(RequestDelta(r.request_id, have, tokens[have:], r.params if have == 0 else None))
             self._sent[r.request_id] = len(tokens)
-        trees = ray.get(self._actor.propose.remote(deltas))
+        trees = ray.get(self._actor.propose.remote(deltas, self._length))
         pending, self._pending = self._pending, []
         ray.get(pending)  # already run (they were submitted first); this surfaces their errors
         return trees
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self._length
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        self._length = n
 
     def observe(self, feedback: list[Feedback]) -> None:
         # the draft probabilities are [nodes, vocab] tensors the worker made itself: do not ship them back

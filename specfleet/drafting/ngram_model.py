@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.tree import DraftTree
+from specfleet.core.tree import DraftTree
 
 FORMAT = "specfleet-ngram"
 MAX_TRACKED = 10_000  # requests whose counted length is remembered
@@ -199,6 +199,10 @@ class NgramProposer:
                 else NgramModel(self.config.order, self.config.min_count)
         self.model = model
         self.name = name
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
 
     def set_num_speculative_tokens(self, n: int) -> None:
         from dataclasses import replace

@@ -1,6 +1,6 @@
 """A draft model of another family (another tokenizer) as a proposer of the target's tokens.
 
-The draft runs in its own vocabulary on the text of the request (spec/text_align.py does the text
+The draft runs in its own vocabulary on the text of the request (drafting/text_align.py does the text
 work); each step, per request:
 
 1. the target's committed tokens are decoded to text (incrementally) and the draft's token sequence
@@ -18,7 +18,7 @@ Verification stays in the target's vocabulary, so greedy output is the target's 
 Sampling: the drafted tokens are a deterministic function of the committed tokens, so the tree
 carries no draft probabilities and verification treats every node as a point mass q = 1 on its
 token, exactly as for prompt lookup. Point-mass rejection sampling is lossless for any proposal that
-does not depend on the verifier's own random draws (spec/verify.py: a node x is kept with probability
+does not depend on the verifier's own random draws (core/verify.py: a node x is kept with probability
 p(x), otherwise the next token comes from p with x removed, so P(token = y) = p(y)). A point mass is
 also the better proposal when q only resembles p: a token kept with probability p(x) is best chosen as
 the draft's argmax, while a draw from q would be kept with probability sum_x q(x) p(x), which is
@@ -37,14 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.core.model_ref import ModelRef
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.prompt_lookup import tree_from_sequences
-from specfleet.spec.text_align import (CommittedText, DraftTokens, TextCodec, continuation_text, same_vocabulary,
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.core.proposer import Feedback
+from specfleet.drafting.prompt_lookup import tree_from_sequences
+from specfleet.drafting.text_align import (CommittedText, DraftTokens, TextCodec, continuation_text, same_vocabulary,
                                        target_continuation)
-from specfleet.spec.tree import DraftTree
+from specfleet.core.tree import DraftTree
 
 GREEDY = SamplingParams(temperature=0)
 CONTEXT_TOKENS = 4  # draft tokens decoded before the drafted ones, so their text starts right
@@ -78,8 +79,8 @@ class CrossVocabProposer:
                  max_tokens_per_draft_token: float = 2.0):
         self.inner = draft
         self.name = name or draft.name
-        self.model = draft.model  # compose.model_size counts it: the fleet treats this as an expensive draft
-        self.config = draft.config  # shared: +adaptive's length reaches the draft
+        self.model = draft.model  # model_size counts it: the fleet treats this as an expensive draft
+        self.config = draft.config  # shared with the inner draft
         self.draft_codec = TextCodec(draft_tokenizer, f"tokenizer of draft {self.name!r}")
         self.target_codec = TextCodec(target_tokenizer, "target's tokenizer")
         self.max_tokens_per_draft_token = max_tokens_per_draft_token
@@ -88,6 +89,13 @@ class CrossVocabProposer:
     @property
     def blocks(self):
         return self.inner.blocks
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.inner.num_speculative_tokens
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        self.inner.set_num_speculative_tokens(n)
 
     # -- protocol --------------------------------------------------------------------------------
     def propose(self, requests: list) -> dict[str, DraftTree]:
@@ -103,7 +111,7 @@ class CrossVocabProposer:
             tree = draft_trees.get(rid)
             state = self._states[rid]
             if tree is None:  # not drafted (no cache room): the cache holds a prefix of the view at most
-                held = self.inner.blocks.num_tokens(rid) if self.inner.blocks.has(rid) else 0
+                held = self.inner.num_cached_tokens(rid)
                 state.held = view.all_token_ids[:held]
                 continue
             state.held = view.all_token_ids + (tree.token_ids[:-1] if chain else [])  # what the inner keeps
@@ -130,7 +138,7 @@ class CrossVocabProposer:
         views = [self._view(r) for r in requests]
         self.inner.prepare([v for v in views if v.all_token_ids])
         for v in views:
-            held = self.inner.blocks.num_tokens(v.request_id) if self.inner.blocks.has(v.request_id) else 0
+            held = self.inner.num_cached_tokens(v.request_id)
             self._states[v.request_id].held = v.all_token_ids[:held]
 
     # -- internals -------------------------------------------------------------------------------
@@ -143,14 +151,13 @@ class CrossVocabProposer:
             state = self._states[rid] = _State(CommittedText(self.target_codec), DraftTokens(self.draft_codec))
         state.committed.update(req.all_token_ids)
         seq = state.draft.sync(state.committed.text)
-        blocks = self.inner.blocks
-        if blocks.has(rid):
+        cached = self.inner.num_cached_tokens(rid)
+        if cached:
             same = 0
-            limit = min(len(state.held), len(seq), blocks.num_tokens(rid))
+            limit = min(len(state.held), len(seq), cached)
             while same < limit and state.held[same] == seq[same]:
                 same += 1
-            if same < blocks.num_tokens(rid):
-                blocks.truncate(rid, same)
+            self.inner.rollback(rid, same)
             state.held = state.held[:same]
         return _DraftView(rid, seq)
 
@@ -178,8 +185,7 @@ def load_tokenizer(name: str):
     from specfleet.models.registry import resolve_model
     from specfleet.runtime.loader import is_gguf_file, tokenizer_folder
 
-    base = name.rpartition("@")[0] if "@" in name and name.rpartition("@")[2].isdigit() else name
-    path = resolve_model(base)
+    path = resolve_model(ModelRef.parse(name).name)
     folder = tokenizer_folder(path) if is_gguf_file(path) else path
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

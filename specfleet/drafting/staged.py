@@ -6,7 +6,7 @@ one forward (tree mask, as the target does), and the draft's own verification ke
 path it agrees with plus one token of its own. A round therefore adds 1 + accepted tokens, and a
 chain needs as many rounds as the n-gram guesses badly.
 
-The draft-level verification is the same pure code as the target's (spec/verify.py), against the
+The draft-level verification is the same pure code as the target's (core/verify.py), against the
 draft's distribution q under the request's sampling settings:
 - greedy: the draft's argmax path, so the chain is token for token the plain draft's chain;
 - sampled: multi-candidate rejection sampling with the n-gram guesses as point masses, so every
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.model_runner import ForwardItem
-from specfleet.runtime.sampling import make_generator, target_probs
-from specfleet.spec.draft_model import DraftModelProposer
-from specfleet.spec.ngram_model import NgramModel
-from specfleet.spec.proposer import Feedback
-from specfleet.spec.tree import DraftTree
-from specfleet.spec.verify import verify_greedy, verify_sampled
+from specfleet.runtime.model_runner import tree_item
+from specfleet.runtime.sampling import GeneratorStore, target_probs
+from specfleet.drafting.draft_model import DraftModelProposer
+from specfleet.drafting.ngram_model import NgramModel
+from specfleet.core.proposer import Feedback
+from specfleet.core.tree import DraftTree
+from specfleet.core.verify import verify_greedy, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,19 @@ class StagedProposer:
         self.ngram = ngram
         self.ngram_name = ngram_name
         self.name = f"{draft.name}+{ngram_name}"
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = GeneratorStore(draft.device, salt=29)
         self.num_rounds = 0  # draft forwards, for the benchmarks: compare with k per chain
         self.num_chains = 0
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.draft.num_speculative_tokens
+
     def set_num_speculative_tokens(self, n: int) -> None:
-        self.draft.config.num_speculative_tokens = n
+        self.draft.set_num_speculative_tokens(n)
 
     def propose(self, requests: list) -> dict[str, DraftTree]:
-        k = self.draft.config.num_speculative_tokens
+        k = self.draft.num_speculative_tokens
         limit = self.model.config.max_position_embeddings - k - self.config.ngram_nodes - 1
         states = []
         for r in requests:
@@ -100,11 +104,8 @@ class StagedProposer:
                 active = self._round(active, k)
                 self.num_rounds += 1
         finally:
-            blocks = self.draft.blocks
             for s in states:  # roll the draft cache back to the committed tokens
-                rid = s.req.request_id
-                if blocks.num_tokens(rid) > s.req.num_tokens:
-                    blocks.truncate(rid, s.req.num_tokens)
+                self.draft.rollback(s.req.request_id, s.req.num_tokens)
         out = {}
         for s in states:
             if s.chain:
@@ -115,35 +116,28 @@ class StagedProposer:
 
     def _round(self, states: list[_Chain], k: int) -> list[_Chain]:
         """One draft forward for every unfinished chain; returns the chains still unfinished."""
-        cfg, blocks = self.config, self.draft.blocks
+        cfg = self.config
         items, trees, ready = [], [], []
         for s in states:
             rid = s.req.request_id
-            have = blocks.num_tokens(rid)
+            have = self.draft.num_cached_tokens(rid)
             if have >= len(s.tokens):  # the root is already cached (drafted twice in one step): refeed it
-                blocks.truncate(rid, len(s.tokens) - 1)
                 have = len(s.tokens) - 1
+                self.draft.rollback(rid, have)
             left = k - len(s.chain)
             tree = DraftTree()
             if left > 1:
                 tree = self.ngram.propose_tree(s.tokens, min(cfg.ngram_depth, left - 1), cfg.ngram_width,
                                                cfg.ngram_nodes, cfg.min_prob, self.ngram_name)
             feed = s.tokens[have:]  # catch-up; its last token is the root the tree hangs from
-            need = len(feed) + len(tree)
-            if not blocks.has(rid):
-                if not blocks.can_allocate(need):
-                    continue  # the draft cache is full: this chain stops where it is
-                blocks.allocate(rid, need)
-            elif blocks.can_append(rid, need):
-                blocks.append(rid, need)
-            else:
-                continue
-            items.append(self._forward_item(rid, feed, have, tree))
+            if not self.draft.reserve(rid, len(feed) + len(tree)):
+                continue  # the draft cache is full: this chain stops where it is
+            items.append(tree_item(rid, feed, have, tree))
             trees.append(tree)
             ready.append(s)
         if not items:
             return []
-        logits = self.draft.runner.execute(items, blocks)  # [sum of (1 + tree nodes), vocab]
+        logits = self.draft.forward(items)  # [sum of (1 + tree nodes), vocab]
         argmax = logits.argmax(-1).tolist()  # one host sync per round for every greedy request
         row, unfinished = 0, []
         for s, tree, item in zip(ready, trees, items):
@@ -157,20 +151,6 @@ class StagedProposer:
                 del s.chain[k:], s.origins[k:], s.probs[k:]
         return unfinished
 
-    @staticmethod
-    def _forward_item(rid: str, feed: list[int], have: int, tree: DraftTree) -> ForwardItem:
-        n_feed = len(feed)
-        logit_rows = list(range(n_feed - 1, n_feed + len(tree)))
-        if not len(tree):
-            return ForwardItem(rid, feed, have, logit_rows)
-        n = n_feed + len(tree)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()  # the catch-up is causal
-        mask[n_feed - 1:, n_feed - 1:] = tree.verify_mask()  # the tree below its root
-        mask[n_feed:, :n_feed - 1] = True  # every node sees the whole catch-up
-        root = have + n_feed - 1
-        positions = list(range(have, root)) + tree.verify_positions(root)
-        return ForwardItem(rid, feed + tree.token_ids, have, logit_rows, positions, mask)
-
     def _accept(self, s: _Chain, tree: DraftTree, rows: torch.Tensor, argmax: list[int], base: int) -> None:
         """Draft-level verification of one round, then keep the accepted path's KV (as the engine's
         commit does: compact the path to the front, truncate the rest). `base` = layout of node 0."""
@@ -179,7 +159,7 @@ class StagedProposer:
             result = verify_greedy(tree, argmax)
         else:
             q = target_probs(rows, req.params)  # [1 + nodes, vocab]: the draft's distribution per row
-            result = verify_sampled(tree, q, self._generator(req))
+            result = verify_sampled(tree, q, self.generators.get(req))
             # position i of the new tokens was decided at row 0 (the root) or at the previous node
             s.probs.extend(q[[0] + [j + 1 for j in result.accepted_nodes]])
         path = result.accepted_nodes
@@ -187,30 +167,17 @@ class StagedProposer:
         s.chain.extend(new)
         s.tokens = s.tokens + new
         s.origins.extend([self.ngram_name] * len(path) + [self.draft.name])
-        blocks, rid = self.draft.blocks, req.request_id
-        if path != list(range(len(path))):
-            src = torch.tensor([blocks.slot(rid, base + j) for j in path], device=self.draft.device)
-            dst = torch.tensor([blocks.slot(rid, base + i) for i in range(len(path))], device=self.draft.device)
-            self.draft.runner.kv.copy_slots(src, dst)
-        blocks.truncate(rid, base + len(path))
-
-    def _generator(self, req) -> torch.Generator:
-        g = self._generators.get(req.request_id)
-        if g is None:
-            seed = None if req.params.seed is None else (req.params.seed * 1_000_003 + 29) % (2**63)
-            g = self._generators[req.request_id] = make_generator(seed, self.draft.device)
-        return g
+        self.draft.commit_path(req.request_id, base, path)
 
     def observe(self, feedback: list[Feedback]) -> None:
         pass  # the draft cache was rolled back after drafting; tokens are learned at the next propose
 
     def release(self, request_id: str) -> None:
         self.draft.release(request_id)
-        self._generators.pop(request_id, None)
+        self.generators.pop(request_id)
 
     def free_kv(self, request_id: str) -> None:
-        self.draft.blocks.free(request_id)
+        self.draft.free_kv(request_id)
 
     def prepare(self, requests: list) -> None:
-        from specfleet.spec.compose import prepare_kv
-        prepare_kv(self.draft, requests)
+        self.draft.prepare(requests)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfleet.spec.tree import DraftTree
+from specfleet.core.tree import DraftTree
 
 
 @dataclass(frozen=True)

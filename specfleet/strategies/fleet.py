@@ -50,11 +50,10 @@ import time
 from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.compose import model_size
-from specfleet.spec.costs import Acceptance, DraftCost, StepCosts, matched_nodes, outcomes
-from specfleet.spec.length import prune_depth, set_speculation_length
-from specfleet.spec.proposer import Feedback, Proposer
-from specfleet.spec.tree import DraftTree
+from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes, outcomes
+from specfleet.strategies.length import prune_depth
+from specfleet.core.proposer import Feedback, Proposer, model_size, set_speculation_length, speculation_length
+from specfleet.core.tree import DraftTree
 
 MERGED = -1  # the member index of a merged tree
 CONTEXT_CAP = 3  # contexts: 0 = no history, 1 + min(depth its last proposal matched, 3)
@@ -162,7 +161,7 @@ class FleetProposer:
         self.clock = clock
         self.cheap = [j for j, m in enumerate(members) if model_size(m) == 0]
         self.expensive = [j for j in range(len(members)) if j not in self.cheap]
-        self.max_k = [getattr(getattr(m, "config", None), "num_speculative_tokens", 4) for m in members]
+        self.max_k = [speculation_length(m) or 4 for m in members]  # each member's configured depth
         cfg = self.config
         self.acceptance = [Acceptance(shrink=cfg.shrink, decay=cfg.decay, num_contexts=CONTEXT_CAP + 2)
                            for _ in members]
@@ -193,7 +192,7 @@ class FleetProposer:
         for r in requests:  # requests that verified nothing learn from the token the target gave them
             pend = self._pending.pop(r.request_id, None)
             if pend is not None:
-                self._learn(r.request_id, pend, r.all_token_ids, None)
+                self._learn(r.request_id, pend, r.all_token_ids[pend.n0:], None)
         self.overhead_s["learn"] += time.perf_counter() - t0
         self.num_steps += 1
         self.num_request_steps += len(requests)
@@ -249,7 +248,7 @@ class FleetProposer:
         for fb in feedback:
             pend = self._pending.pop(fb.request_id, None)
             if pend is not None:
-                self._learn(fb.request_id, pend, fb.committed_token_ids, fb)
+                self._learn(fb.request_id, pend, fb.emitted_token_ids, fb)
             accepted = set(fb.accepted_nodes)
             for j, origin in enumerate(fb.tree.origins):
                 if origin in self._stats:
@@ -265,8 +264,16 @@ class FleetProposer:
         for m in self.members:
             m.release(request_id)
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.cap if self.cap is not None else max(self.max_k)
+
     def set_num_speculative_tokens(self, n: int) -> None:
         self.cap = n
+
+    def state(self) -> dict:
+        return {"fleet": self.fleet_report(),
+                "overhead_s": {k: round(v, 6) for k, v in self.overhead_s.items()}}
 
     # -- deciding --------------------------------------------------------------------------------
     def _context(self, rid: str) -> list[int]:
@@ -343,8 +350,8 @@ class FleetProposer:
         if elapsed > 0 and not (self.steps.measured and elapsed > 10 * self.steps.step_time(batch, nodes)):
             self.steps.add(batch, nodes, elapsed)
 
-    def _learn(self, rid: str, pend: _Pending, tokens: list[int], fb: Feedback | None) -> None:
-        new = tokens[pend.n0:]
+    def _learn(self, rid: str, pend: _Pending, new: list[int], fb: Feedback | None) -> None:
+        """Learn from the tokens committed since the candidates were drafted."""
         ctx = self._ctx.get(rid)  # None once released: its history is no longer needed
         for j, tree in pend.candidates:
             if tree.draft_probs is None:

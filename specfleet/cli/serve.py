@@ -16,9 +16,9 @@ import sys
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from specfleet.cli import _add_engine_args
+    from specfleet.cli.common import add_engine_args
 
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (printed at start)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
         require(module, "serve", "specfleet serve")
     uvicorn = require("uvicorn", "serve", "specfleet serve")
 
-    from specfleet.cli import build_llm
+    from specfleet.cli.common import build_llm
     from specfleet.errors import SpecfleetError
     from specfleet.server.app import ServerConfig, create_app
     from specfleet.server.shutdown import UVICORN_BACKSTOP_S, Drain

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.tree import DraftTree
+from specfleet.core.tree import DraftTree
 
 if TYPE_CHECKING:
     from specfleet.engine.request import Request

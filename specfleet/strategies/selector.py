@@ -38,10 +38,10 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from specfleet.errors import InvalidRequestError
-from specfleet.spec.compose import TokenSnapshot, free_kv, leaves, model_size, prepare_kv
-from specfleet.spec.length import set_speculation_length
-from specfleet.spec.proposer import Feedback, Proposer
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import (DraftWeights, RequestSnapshot, free_kv, leaves, model_size, prepare_kv,
+                                     set_speculation_length, speculation_length)
+from specfleet.core.proposer import Feedback, Proposer
+from specfleet.core.tree import DraftTree
 
 POLICIES = ("spin", "epsilon-greedy", "prompt-length")
 
@@ -168,7 +168,8 @@ class SelectorProposer:
         """Arm name -> estimated goodput (tokens/s), plus nested weights as "arm/voter"."""
         out = {a.name: self.estimates.arm_mean(j) for j, a in enumerate(self.arms)}
         for a in self.arms:
-            out.update({f"{a.name}/{k}": v for k, v in (getattr(a, "weights", None) or {}).items()})
+            if isinstance(a, DraftWeights):
+                out.update({f"{a.name}/{k}": v for k, v in a.weights.items()})
         return out
 
     @property
@@ -287,9 +288,20 @@ class SelectorProposer:
         for arm in self.arms:
             arm.release(request_id)
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The deepest arm's length (arms are set together; an adaptive arm reports its own)."""
+        return max((n for n in map(speculation_length, self.arms) if n is not None), default=0)
+
     def set_num_speculative_tokens(self, n: int) -> None:
         for arm in self.arms:
             set_speculation_length(arm, n)
+
+    def state(self) -> dict:
+        return {"weights": {k: round(v, 4) for k, v in self.weights.items()},
+                "arm_goodput": {a.name: round(self.estimates.arm_mean(j), 2) for j, a in enumerate(self.arms)},
+                "assigned": {a.name: sum(1 for v in self.assignment.values() if v == j) for j, a in enumerate(self.arms)},
+                "overhead_s": {k: round(v, 6) for k, v in self.overhead_s.items()}}
 
     # -- internals -------------------------------------------------------------------------------
     def _account_undrafted(self) -> None:
@@ -324,7 +336,8 @@ class SelectorProposer:
             for arm, reqs in moves.items():
                 prepare_kv(self.arms[arm], reqs)
             return
-        snaps = {arm: [TokenSnapshot(r.request_id, r.all_token_ids) for r in reqs] for arm, reqs in moves.items()}
+        snaps = {arm: [RequestSnapshot(r.request_id, list(r.all_token_ids), r.params, len(r.prompt_token_ids))
+                        for r in reqs] for arm, reqs in moves.items()}
 
         def run() -> None:
             try:

@@ -9,11 +9,10 @@ Example: tokens "a b c d a b" with max_ngram 2 match the suffix "a b" at positio
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from specfleet.engine.request import Request
-from specfleet.spec.proposer import Feedback, register
-from specfleet.spec.tree import DraftTree
+from specfleet.core.proposer import Feedback, RequestView, register
+from specfleet.core.tree import DraftTree
 
 
 @dataclass
@@ -71,13 +70,20 @@ class PromptLookupProposer:
         self.config.validate()
         self.name = name
 
-    def propose(self, requests: list[Request]) -> dict[str, DraftTree]:
+    def propose(self, requests: list[RequestView]) -> dict[str, DraftTree]:
         trees = {}
         for req in requests:
             conts = find_continuations(req.all_token_ids, self.config)
             if conts:
                 trees[req.request_id] = tree_from_sequences(conts, self.name)
         return trees
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def set_num_speculative_tokens(self, n: int) -> None:
+        self.config = replace(self.config, num_speculative_tokens=n)
 
     def observe(self, feedback: list[Feedback]) -> None:
         pass  # stateless: the request's tokens are its whole state
