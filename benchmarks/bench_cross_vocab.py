@@ -1,7 +1,7 @@
 """A draft of another model family against plain decoding, side by side in one run.
 
 A Qwen target (default qwen-0.5b) with SmolLM2-135M-Instruct as cross-vocabulary draft
-(spec/cross_vocab.py), the first N HumanEval prompts (raw completion), greedy, batch 1, weights as
+(drafting/cross_vocab.py), the first N HumanEval prompts (raw completion), greedy, batch 1, weights as
 loaded by default (GGUF files run natively on the CPU). Per prompt the systems run in a rotating order,
 so drift on a shared machine falls on each alike. Prints per system: acceptance rate, mean accepted
 length, tok/s (new tokens over the generate call's wall time, prefill included), and whether every

@@ -20,9 +20,9 @@ import torch
 from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.llm import load_model
+from specfleet.runtime.load import load_model
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 
 
 def make_engine(model, budget: int, draft: bool, max_num_prefills: int = SchedulerConfig().max_num_prefills) -> Engine:

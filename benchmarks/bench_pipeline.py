@@ -24,11 +24,11 @@ from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
-from specfleet.llm import load_model
+from specfleet.runtime.load import load_model
 from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.sampling_params import SamplingParams
-from specfleet.spec.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.spec.pipeline import PipelineConfig
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.engine.result_pool import PipelineConfig
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -98,7 +98,7 @@ def main() -> None:
     spec_cfg = DraftModelConfig(args.num_speculative_tokens, kv_cache_bytes=256 << 20)
     remote = []
     if args.remote_workers:
-        from specfleet.spec.remote import RemoteDraftSpec, remote_drafters, require_ray
+        from specfleet.drafting.remote import RemoteDraftSpec, remote_drafters, require_ray
 
         require_ray().init(include_dashboard=False, ignore_reinit_error=True)
         remote = remote_drafters(RemoteDraftSpec(args.draft, spec_cfg, args.dtype, args.device,

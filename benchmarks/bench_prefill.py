@@ -14,7 +14,7 @@ import specfleet.runtime.model as model_mod
 from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.llm import load_model
+from specfleet.runtime.load import load_model
 from specfleet.sampling_params import SamplingParams
 
 

@@ -1,0 +1,114 @@
+"""Two revisions of specfleet side by side in one run: is a change free of slowdowns?
+
+Each revision is checked out into its own git worktree; every measurement is a fresh process that
+imports specfleet from one worktree (PYTHONPATH), loads the model, warms up on one prompt, then
+times greedy generation of the first N HumanEval prompts one at a time. Rounds alternate the order
+of the revisions (A B, B A, ...), so drift on a shared machine falls on both alike. Outputs are
+compared too: a refactor must not change a single token.
+
+    python benchmarks/bench_revisions.py BASE [HEAD] [--drafts none,prompt-lookup,qwen-0.5b] [--rounds 3]
+
+Writes benchmarks/results/revisions-cpu-<time>.json and .md (tok/s per revision and draft, the
+medians, the HEAD/BASE ratio, whether the outputs match).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time
+from specfleet import LLM, SamplingParams
+from specfleet.bench.datasets import iter_prompts, select
+model, draft, n, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+prompts = [p.text for p in select(iter_prompts("humaneval")[0], n)]
+llm = LLM(model, None if draft == "none" else draft)
+params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+outs, new, t0 = [], 0, time.perf_counter()
+for p in prompts:
+    (o,) = llm.generate([p], params)
+    outs.append(o.token_ids)
+    new += len(o.token_ids)
+dt = time.perf_counter() - t0
+print("RESULT " + json.dumps({"tok_s": new / dt, "seconds": dt, "tokens": new, "outputs": outs}))
+"""
+
+
+def worktree(rev: str, where: Path) -> Path:
+    path = where / rev.replace("/", "_")
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                   capture_output=True)
+    return path
+
+
+def measure(tree: Path, model: str, draft: str, n: int, tokens: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, draft, str(n), str(tokens)], env=env,
+                          capture_output=True, text=True, cwd=str(tree))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{tree} ({draft}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base")
+    ap.add_argument("head", nargs="?", default="HEAD")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--drafts", default="none,prompt-lookup,qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from specfleet.bench.report import write_results
+
+    revs = {"base": args.base, "head": args.head}
+    shas = {k: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", v], capture_output=True, text=True,
+                              check=True).stdout.strip() for k, v in revs.items()}
+    drafts = args.drafts.split(",")
+    runs: dict = {d: {"base": [], "head": []} for d in drafts}
+    outputs: dict = {d: {} for d in drafts}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {k: worktree(v, Path(tmp)) for k, v in revs.items()}
+        try:
+            for r in range(args.rounds):
+                order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
+                for d in drafts:
+                    for k in order:
+                        res = measure(trees[k], args.model, d, args.prompts, args.tokens)
+                        runs[d][k].append(res["tok_s"])
+                        outputs[d][k] = res["outputs"]
+                        print(f"round {r + 1} {d:>32} {k} ({shas[k]}): {res['tok_s']:.2f} tok/s", flush=True)
+        finally:
+            for t in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(t)], capture_output=True)
+    rows, payload = [], {"base": shas["base"], "head": shas["head"], "model": args.model, "prompts": args.prompts,
+                         "tokens": args.tokens, "rounds": args.rounds, "drafts": {}}
+    for d in drafts:
+        b, h = statistics.median(runs[d]["base"]), statistics.median(runs[d]["head"])
+        same = outputs[d]["base"] == outputs[d]["head"]
+        payload["drafts"][d] = {"base_tok_s": runs[d]["base"], "head_tok_s": runs[d]["head"], "base_median": b,
+                                "head_median": h, "ratio": h / b, "same_outputs": same}
+        rows.append(f"| {d} | {b:.2f} | {h:.2f} | {h / b:.3f} | {'yes' if same else 'NO'} |")
+    body = (f"{args.model}, greedy, {args.prompts} HumanEval prompts one at a time, {args.tokens} new tokens, "
+            f"{args.rounds} rounds in alternating order; medians of tok/s (warm-up excluded).\n\n"
+            f"| draft | base {shas['base']} tok/s | head {shas['head']} tok/s | head/base | same tokens |\n"
+            f"|---|---|---|---|---|\n" + "\n".join(rows))
+    print(body)
+    path = write_results("revisions", payload, body, "cpu", "auto (native GGUF on CPU)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
