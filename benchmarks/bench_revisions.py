@@ -51,7 +51,7 @@ def worktree(rev: str, where: Path) -> Path:
 
 
 def measure(tree: Path, model: str, draft: str, n: int, tokens: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_WAIT_POLICY="passive")  # fair to whatever else runs
     proc = subprocess.run([sys.executable, "-c", CHILD, model, draft, str(n), str(tokens)], env=env,
                           capture_output=True, text=True, cwd=str(tree))
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
