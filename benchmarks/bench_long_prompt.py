@@ -25,9 +25,11 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 
 
-def make_engine(model, budget: int, draft: bool, max_num_prefills: int = SchedulerConfig().max_num_prefills) -> Engine:
+def make_engine(model, budget: int, draft: bool, max_num_prefills: int = SchedulerConfig().max_num_prefills,
+                mixed_step_factor: float | None = SchedulerConfig().mixed_step_factor) -> Engine:
     config = EngineConfig(CacheConfig(16, 512 << 20),  # 11k tokens of SmolLM2-135M in fp32
-                          SchedulerConfig(max_num_batched_tokens=budget, max_num_prefills=max_num_prefills))
+                          SchedulerConfig(max_num_batched_tokens=budget, max_num_prefills=max_num_prefills,
+                                          mixed_step_factor=mixed_step_factor))
     return Engine(model, None, config, PromptLookupProposer(PromptLookupConfig()) if draft else None)
 
 
@@ -43,10 +45,13 @@ def ttft_idle(eng: Engine, prompt: list[int]) -> float:
     return req.first_token_time - req.arrival_time
 
 
-def shared_prefill(model, args, budget: int, max_num_prefills: int) -> tuple[list[dict], dict]:
-    """(a): a stream decodes, the long prompt arrives, short requests arrive every `--short-every` s."""
+def shared_prefill(model, args, budget: int, max_num_prefills: int, factor: float | None) -> tuple[list[dict], dict]:
+    """(a): a stream decodes, the long prompt arrives, short requests arrive every `--short-every` s.
+    The engine has served one 600-token prompt before, as a running server has: its step costs are
+    measured (a fresh server measures them on its first long prompt)."""
     shorts = [random_prompt(args.short_tokens, 100 + i) for i in range(args.num_short)]
-    eng = make_engine(model, budget, args.draft, max_num_prefills)
+    eng = make_engine(model, budget, args.draft, max_num_prefills, factor)
+    ttft_idle(eng, random_prompt(600, 7))
     idle = [ttft_idle(eng, p) for p in shorts]
     stream = eng.add_request(random_prompt(16, 1), SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True))
     while not stream.output_token_ids:
@@ -65,13 +70,15 @@ def shared_prefill(model, args, budget: int, max_num_prefills: int) -> tuple[lis
             stream_during = len(stream.output_token_ids) - stream_before
             stream_before = None
     long_s = long.first_token_time - t_long
-    rows = [{"budget": budget, "max_num_prefills": max_num_prefills, "request": f"short {i}",
+    rows = [{"budget": budget, "max_num_prefills": max_num_prefills, "mixed_step_factor": factor,
+             "request": f"short {i}",
              "prompt_tokens": args.short_tokens, "ttft_idle_s": a,
              "ttft_during_long_prefill_s": r.first_token_time - r.arrival_time,
              "ratio": (r.first_token_time - r.arrival_time) / a,
              "answered_before_long_prefill_done": r.first_token_time < long.first_token_time}
             for i, (a, r) in enumerate(zip(idle, reqs))]
-    summary = {"budget": budget, "max_num_prefills": max_num_prefills, "long_prompt_tokens": args.long_tokens,
+    summary = {"budget": budget, "max_num_prefills": max_num_prefills, "mixed_step_factor": factor,
+               "long_prompt_tokens": args.long_tokens,
                "long_prefill_s": long_s,
                "engine_steps": steps,
                "stream_tokens_during_long_prefill": stream_during,
@@ -120,19 +127,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="(b): prefill rounds; each step's best time counts")
     ap.add_argument("--fcfs-baseline", action="store_true",
                     help="also run (a) with max_num_prefills=1: one prompt in prefill at a time, in arrival order")
+    ap.add_argument("--mixed-step-factors", nargs="*", default=["2", "none"],
+                    help="mixed_step_factor values to run (a) with, side by side ('none' turns the cap off)")
     ap.add_argument("--shared-budgets", type=int, nargs="*", default=None,
                     help="budgets to run (a) with (default: --budget); a smaller one trades prefill speed for latency")
     args = ap.parse_args()
     model, _ = load_model(args.model, torch.float32, torch.device("cpu"), with_tokenizer=False)
     ttft_idle(make_engine(model, args.budget, args.draft), random_prompt(600, 0))  # warm-up: kernels, both paths
     rows_a, summaries = [], []
-    runs = [(b, SchedulerConfig().max_num_prefills) for b in args.shared_budgets or [args.budget]]
+    factors = [None if f.lower() == "none" else float(f) for f in args.mixed_step_factors]
+    runs = [(b, SchedulerConfig().max_num_prefills, f) for b in args.shared_budgets or [args.budget] for f in factors]
     if args.fcfs_baseline:
-        runs.append((args.budget, 1))
-    for budget, max_num_prefills in runs if args.num_short else []:
-        rows, summary = shared_prefill(model, args, budget, max_num_prefills)
+        runs.append((args.budget, 1, None))
+    for budget, max_num_prefills, factor in runs if args.num_short else []:
+        rows, summary = shared_prefill(model, args, budget, max_num_prefills, factor)
         for r in rows:
-            print(f"budget {budget} {r['request']}: TTFT idle {r['ttft_idle_s']:.3f} s, during the long prefill "
+            print(f"budget {budget} factor {factor} {r['request']}: TTFT idle {r['ttft_idle_s']:.3f} s, during the long prefill "
                   f"{r['ttft_during_long_prefill_s']:.3f} s ({r['ratio']:.2f}x)", flush=True)
         print(summary, flush=True)
         rows_a += rows
@@ -144,10 +154,10 @@ def main() -> None:
             "was shared while this ran, compare figures within this report only (ratios), not across reports.\n\n"
             f"(a) A stream decodes; a {args.long_tokens}-token prompt arrives; {args.num_short} short requests "
             f"arrive every {args.short_every} s during its prefill:\n\n"
-            + md_table(summaries, ["budget", "max_num_prefills", "long_prefill_s", "engine_steps",
+            + md_table(summaries, ["budget", "max_num_prefills", "mixed_step_factor", "long_prefill_s", "engine_steps",
                                    "stream_tokens_during_long_prefill", "stream_tok_s_during_long_prefill",
                                    "max_ttft_ratio"]) + "\n\n"
-            + md_table(rows_a, ["budget", "max_num_prefills", "request", "prompt_tokens", "ttft_idle_s",
+            + md_table(rows_a, ["budget", "max_num_prefills", "mixed_step_factor", "request", "prompt_tokens", "ttft_idle_s",
                                 "ttft_during_long_prefill_s",
                                 "ratio", "answered_before_long_prefill_done"])
             + f"\n\n(b) Prefill throughput, one prompt on an idle engine, budget {args.budget}, each step's best of "

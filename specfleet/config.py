@@ -27,6 +27,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_prefills: int = 4  # prompts prefilled side by side, sharing what decode rows leave of the budget
+    # while other requests decode or wait, a step that carries prompt chunks is kept to about this many
+    # decode steps' time (measured as the engine runs, engine/step_costs.py), so a long prompt slows them
+    # by about this factor instead of stalling them; None: only the token budget bounds a step
+    mixed_step_factor: float | None = 2.0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -35,6 +39,8 @@ class SchedulerConfig:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_prefills < 1:
             raise InvalidRequestError(f"max_num_prefills must be >= 1, got {self.max_num_prefills}")
+        if self.mixed_step_factor is not None and not self.mixed_step_factor > 1.0:
+            raise InvalidRequestError(f"mixed_step_factor must be > 1 (or None), got {self.mixed_step_factor}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

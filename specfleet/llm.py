@@ -32,7 +32,8 @@ class LLM:
                  device: str = "cpu", num_speculative_tokens: int = 4, top_children: int = 1, max_nodes: int = 16,
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
-                 quantization: str | None = "auto", _model: DecoderLM | None = None, _tokenizer=None):
+                 mixed_step_factor: float | None = 2.0, quantization: str | None = "auto",
+                 _model: DecoderLM | None = None, _tokenizer=None):
         """`quantization` applies to the target and every draft model (a draft may override it with
         `[quant=...]`, see strategies/grammar.py); speculation is lossless against the target as loaded:
         - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
@@ -43,7 +44,9 @@ class LLM:
         - "q4_0" / "q8_0" / "q4_k": every matrix requantized into that GGUF format at load.
         `max_num_batched_tokens` is the per-step token budget: running requests' decode/verify rows
         first, then chunks of at most `max_num_prefills` waiting prompts share what is left (chunked
-        prefill, engine/scheduler.py), so a long prompt never stalls the requests already decoding."""
+        prefill, engine/scheduler.py), so a long prompt never stalls the requests already decoding;
+        `mixed_step_factor` keeps a step that mixes prompt chunks with other requests to about that many
+        decode steps' time (measured; None: only the budget bounds it)."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
@@ -70,7 +73,7 @@ class LLM:
                                   quantization=self.quantization, target_tokenizer=self.tokenizer)
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                              max_num_prefills=max_num_prefills))
+                                              max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)
 
     # -- prompts ---------------------------------------------------------------------------------

@@ -211,3 +211,52 @@ def test_no_leak_after_aborts_and_preemptions_mid_prefill(target, draft, pipelin
     assert num_aborted_mid_prefill > 0 and num_preempted_mid_prefill > 0, "the test must exercise both"
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+# -- mixed steps kept short (the measured row cap) -------------------------------------------------
+def test_step_cost_model_measures_a_decode_step_and_the_per_row_cost():
+    from specfleet.engine.step_costs import StepCostModel
+
+    costs = StepCostModel()
+    assert costs.row_cap(2.0) is None  # nothing measured yet: no cap
+    for _ in range(20):
+        costs.record(1, 0.010)  # a decode step: 10 ms
+        costs.record(257, 0.010 + 256 * 0.001)  # a prompt chunk: 1 ms per extra row
+    assert costs.decode_s == pytest.approx(0.010) and costs.row_s == pytest.approx(0.001)
+    assert costs.row_cap(2.0) == 11  # 10 ms + 10 rows x 1 ms = 2 decode steps
+    assert costs.row_cap(4.0) == 31
+
+
+def test_mixed_steps_stay_under_the_row_cap_and_a_lone_prompt_does_not(target, monkeypatch):
+    eng = Engine(target, None, engine_config(target, max_num_batched_tokens=64))
+    monkeypatch.setattr(eng.executor.costs, "row_cap", lambda factor: 12)
+    rows = []
+    real = eng.runner.execute
+
+    def spy(items, blocks=None):
+        rows.append(sum(len(it.token_ids) for it in items))
+        return real(items, blocks)
+
+    monkeypatch.setattr(eng.runner, "execute", spy)
+    long = eng.add_request(random_prompts([300], seed=3)[0], GREEDY)
+    eng.step()
+    assert rows[-1] == 64  # alone: the whole budget
+    stream = eng.add_request(random_prompts([5])[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    eng.step()  # the stream's prompt and a chunk of the long one share the step: 16 prompt tokens at most
+    assert rows[-1] <= 16 and len(stream.output_token_ids) == 1
+    steps = 0
+    while not long.output_token_ids:
+        before = len(stream.output_token_ids)
+        eng.step()
+        steps += 1
+        assert rows[-1] <= 1 + 16  # the stream's row, then the prompt gets what the cap leaves (>= MIN_CHUNK)
+        assert len(stream.output_token_ids) == before + 1
+    assert steps >= (300 - 64 - 16) // 16  # without the cap, 63 tokens a step would have finished it in 4
+
+
+def test_the_row_cap_does_not_change_outputs(target):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=11)
+    capped = Engine(target, None, engine_config(target, max_num_batched_tokens=64))
+    capped.executor.costs.row_cap = lambda factor: 5
+    got = [o.token_ids for o in run_to_completion(capped, prompts, GREEDY)]
+    assert got == outputs(target, prompts, UNCHUNKED)

@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per engine step: decode/verify rows first, then chunks of waiting prompts")
     p.add_argument("--max-num-prefills", type=int, default=4, help="prompts prefilled side by side in one step")
+    p.add_argument("--mixed-step-factor", type=_factor, default=2.0,
+                   help="while other requests decode or wait, a step with prompt chunks costs about this many "
+                        "decode steps (measured as it runs); 'none': only --max-num-batched-tokens bounds it")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +53,7 @@ def build_llm(args):
                top_children=args.tree_width, max_nodes=args.tree_nodes, kv_cache_bytes=args.kv_cache_mb << 20,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefills=args.max_num_prefills,
+               mixed_step_factor=args.mixed_step_factor,
                quantization=args.quantization)
 
 
@@ -58,3 +62,7 @@ def sampling_from_args(args):
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           max_tokens=args.max_tokens, stop=args.stop)
+
+
+def _factor(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)

@@ -93,6 +93,7 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._set_row_cap()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._release_draft(req.request_id)
@@ -104,6 +105,10 @@ class Engine:
                 self.proposer.observe(feedback)
             self._propose()
         return outputs
+
+    def _set_row_cap(self) -> None:
+        factor = self.config.scheduler.mixed_step_factor
+        self.scheduler.row_cap = None if factor is None else self.executor.costs.row_cap(factor)
 
     @property
     def draft_source(self) -> Proposer | None:

@@ -20,6 +20,7 @@ from specfleet.core.tree import DraftTree
 from specfleet.core.verify import VerifyResult, verify_greedy, verify_sampled
 from specfleet.engine.request import Request
 from specfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specfleet.engine.step_costs import StepCostModel
 from specfleet.engine.stop import StopChecker
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.block_manager import BlockManager
@@ -37,6 +38,7 @@ class StepExecutor:
         self.stop_checker = stop_checker
         self.stats = stats  # the engine's totals
         self.finish = finish  # called for every request that finishes while committing
+        self.costs = StepCostModel()  # step time against rows, for the scheduler's mixed-step cap
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Feedback]]:
         """Forward, verify and commit one schedule: the outputs, and feedback for every verified
@@ -60,6 +62,7 @@ class StepExecutor:
                 feedback.append(fb)
             outputs.append(self.output(s.request))
         verify_time = time.perf_counter() - t0
+        self.costs.record(sum(len(it.token_ids) for it in items), verify_time)
         share = verify_time / max(1, len(emitting))
         for s in emitting:
             s.request.stats.verify_time += share

@@ -152,6 +152,7 @@ class PipelinedEngine(Engine):
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule with the parked requests held out (they are out with their drafters)."""
+        self._set_row_cap()
         out = self.scheduler.schedule(parked=self._parked)
         for req in out.preempted:
             self.drafters.release(req.request_id)

@@ -17,6 +17,11 @@ Each step's budget (`max_num_batched_tokens`) is filled in two passes.
    decode rows fill the budget prefills nothing). A partly prefilled request gets no
    draft and emits no token until its last chunk (`ScheduledRequest.completes_sequence`).
 
+Mixed steps: while other requests decode or wait, the prompt chunks of a step are cut further so the
+step costs about `mixed_step_factor` decode steps (the engine measures both costs as it runs and
+sets `row_cap` before each step; engine/step_costs.py), but each step still prefills at least
+MIN_CHUNK tokens. Without anyone else a long prompt takes the whole budget, at full prefill speed.
+
 Memory: when the cache has no room for a decode row, the pending draft is dropped first; then the
 most recently admitted request is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed from its prompt and the output it already has. Nothing is ever dropped.
@@ -57,6 +62,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+MIN_CHUNK = 16  # prompt tokens a step carries at least, however tight the row cap
+
+
 def fair_shares(needs: list[int], budget: int) -> list[int]:
     """Max-min fair split of `budget` tokens: fair_shares([20, 4000, 3000], 500) == [20, 240, 240]."""
     shares = [0] * len(needs)
@@ -78,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._parked: Collection[str] = ()
+        self.row_cap: int | None = None  # rows a mixed step may carry (set by the engine each step)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -101,11 +110,24 @@ class Scheduler:
         self._parked = parked
         out = SchedulerOutput()
         budget = self._schedule_decodes(out)
+        budget = self._mixed_step_budget(out, budget)
         self._schedule_prefills(out, budget)
         while not out.scheduled and self._victim() is not None:  # every chunk is short of blocks: make room
             self._preempt(self._victim(), out)
             self._schedule_prefills(out, budget)
         return out
+
+    def _mixed_step_budget(self, out: SchedulerOutput, budget: int) -> int:
+        """The prefill budget, cut to the row cap when the step is shared: decode rows are in it, or
+        more than one prompt is in prefill or waiting."""
+        if self.row_cap is None:
+            return budget
+        prompts = sum(1 for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1
+                      and r.request_id not in self._parked) + len(self.waiting)
+        if not out.scheduled and prompts <= 1:
+            return budget  # one prompt alone: full speed
+        used = sum(s.num_new_tokens + (s.request.num_draft_tokens if s.with_draft else 0) for s in out.scheduled)
+        return min(budget, max(MIN_CHUNK, self.row_cap - used))
 
     def _victim(self) -> Request | None:
         """The most recently admitted request that is not parked: the one to preempt."""

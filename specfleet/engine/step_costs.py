@@ -1,0 +1,36 @@
+"""What a step costs, measured as the engine runs: the basis for keeping mixed steps short.
+
+A step's time is close to a + b * rows on both devices: a fixed part (the weight stream and the
+per-layer work of a decode step) and a per-row part (compute, which dominates a prompt chunk). Two
+running averages track them: `decode_s` over steps of a few rows, `row_s` (time beyond a decode
+step, per extra row) over steps of many rows. `row_cap(factor)` is then the number of rows a step
+may carry to cost about `factor` decode steps; the scheduler caps prompt chunks with it while other
+requests decode or wait (engine/scheduler.py), so a long prompt slows them by about that factor
+instead of stalling them for a whole token budget's worth of prefill.
+"""
+from __future__ import annotations
+
+SMALL_ROWS = 8  # steps of at most this many rows measure the decode step
+LARGE_ROWS = 64  # steps of at least this many rows measure the per-row cost
+
+
+class StepCostModel:
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.decode_s: float | None = None
+        self.row_s: float | None = None
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def record(self, rows: int, seconds: float) -> None:
+        if rows <= SMALL_ROWS:
+            self.decode_s = self._avg(self.decode_s, seconds)
+        elif rows >= LARGE_ROWS and self.decode_s is not None:
+            self.row_s = self._avg(self.row_s, max(seconds - self.decode_s, 0.0) / (rows - 1))
+
+    def row_cap(self, factor: float) -> int | None:
+        """Rows in a step that costs about `factor` decode steps; None until both parts are measured."""
+        if self.decode_s is None or not self.row_s:
+            return None
+        return 1 + int((factor - 1.0) * self.decode_s / self.row_s)
