@@ -63,6 +63,17 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
+        if (c1 - c0 == 1) { /* one activation row (a decode step): the same FN with R = 1, less set-up */ \
+            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
+            float *yr = y + c0 * ldy;                                                             \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                float v;                                                                          \
+                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
+                if (bias) v += bias[n];                                                           \
+                yr[n] = accumulate ? yr[n] + v : v;                                               \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
         for (int64_t n = n0; n < n1; n++) {                                                       \
             const uint8_t *wrow = W + n * row_bytes;                                              \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
