@@ -218,3 +218,29 @@ def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draf
         spec = [o.token_ids for o in run_to_completion(engine, prompts, greedy)]
         assert spec == plain, text
         assert engine.stats.num_drafted > 0
+
+
+def test_whole_stack_call_equals_the_per_layer_calls(native_tiny, monkeypatch):
+    """`specfleet_decode_layers` (one native call for every layer, decode and chain verification rows)
+    gives bit for bit the hidden states and KV cache entries of the per-layer calls."""
+    from test_spec_greedy import make_engine
+
+    from specfleet.runtime.attention import AttentionBatch
+
+    ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
+    outs = []
+    for stack in (True, False):
+        if not stack:
+            monkeypatch.setattr(model_mod, "_stack_plan", lambda *a: None)
+        engine = make_engine(native_tiny)
+        kv = engine.runner.kv
+        seqs = [SeqAttention(6, 0, slice(32, 38)), SeqAttention(1, 6, slice(32, 39)),  # prompt, decode
+                SeqAttention(3, 7, slice(32, 42))]  # a 3-row chain after 7 tokens
+        rows = [list(range(0, 6)), [6], [7, 8, 9]]
+        hidden = []
+        for seq, r in zip(seqs, rows):
+            slots = torch.arange(32 + seq.context_len, 32 + seq.context_len + seq.query_len)
+            hidden.append(native_tiny(torch.tensor([ids[i] for i in r]), torch.tensor(r), AttentionBatch(slots, [seq]), kv))
+        outs.append((torch.cat(hidden), kv.k[1][32:42].clone(), kv.v[1][32:42].clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

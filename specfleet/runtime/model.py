@@ -7,13 +7,15 @@ dtype) so fp32 logits agree with transformers to rounding.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specfleet.errors import ModelLoadError
 from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
-from specfleet.runtime.attention import AttentionBatch, paged_attention
+from specfleet.runtime.attention import ROWWISE_ROWS, AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
 
@@ -25,6 +27,33 @@ NATIVE_ROWS = default_native_rows()
 # decoder layer as a few calls into csrc/q_fused.c (`DecoderLM._forward_native`); False keeps the
 # module-by-module forward (benchmarks compare the two). Read per call.
 FUSED_NATIVE = True
+
+
+def _stack_plan(batch: AttentionBatch, t: int, heads: int, kv_heads: int, d: int, num_slots: int):
+    """For `specfleet_decode_layers`: each row's first cache row and key count (ctypes int64 arrays) when
+    every row attends, unmasked, to a prefix of its request's cache rows held in consecutive slots:
+    decode rows and verification rows of a chain (or of a tree whose rows' ancestors are all earlier
+    rows), as `attention._attend_native` would run them; None otherwise (prompt chunks, fragmented
+    blocks, hidden context, head sizes the C attention does not take)."""
+    if d % 32 or d > 512 or heads // kv_heads > 16:
+        return None
+    starts, lens = [], []
+    for seq in batch.seqs:
+        n, c, kv = seq.query_len, seq.context_len, seq.kv
+        if not isinstance(kv, slice) or kv.step not in (None, 1) or seq.context_mask is not None:
+            return None
+        if n > 1 and not (c and n <= ROWWISE_ROWS):
+            return None
+        if n > 1 and seq.new_mask is not None and not bool(seq.new_mask.tril().sum() == n * (n + 1) // 2):
+            return None  # a tree row that does not see every earlier row: it gathers its keys
+        start = kv.start or 0
+        if start < 0 or start + c + n > num_slots:
+            return None
+        starts += [start] * n
+        lens += range(c + 1, c + n + 1)
+    if len(lens) != t:
+        return None
+    return (ctypes.c_int64 * t)(*starts), (ctypes.c_int64 * t)(*lens)
 
 
 class Linear(nn.Linear):
@@ -199,6 +228,17 @@ class DecoderLM(nn.Module):
         o = torch.empty((t, heads, d), dtype=torch.float32)
         gu = torch.empty((t, first.mlp.gate_up_proj.out_features), dtype=torch.float32)
         cos, sin = self.rotary.cos, self.rotary.sin
+        plan = _stack_plan(batch, t, heads, kv_heads, d, kv.k[0].shape[0])
+        if plan is not None:  # every row's attention unmasked over a prefix of its request's cache rows
+            starts, lens = plan
+            rc = lib.specfleet_decode_layers(
+                ctypes.addressof(self._native_layers(kv)), len(self.layers), t, h.data_ptr(), cfg.hidden_size,
+                qkv.data_ptr(), qkv.shape[1], q.data_ptr(), o.data_ptr(), gu.data_ptr(), gu.shape[1] // 2, heads,
+                kv_heads, d, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ctypes.addressof(starts),
+                ctypes.addressof(lens), first.self_attn.scale, torch.get_num_threads())
+            if rc != 0:
+                raise ValueError(f"the native decoder layers refused their arguments (code {rc})")
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
@@ -213,6 +253,26 @@ class DecoderLM(nn.Module):
             mlp.gate_up_proj.fused(lib, h, gu, PRE_RMSNORM, norm.weight, norm.eps)
             mlp.down_proj.fused(lib, gu, h, PRE_SILU_MUL, accumulate=True)
         return self.norm(h)
+
+    def _native_layers(self, kv: KVCache):
+        """The ctypes array of NativeLayer for `specfleet_decode_layers` over `kv` (made once per KV cache;
+        it points into the layers' weights and the cache, which this model and `kv` keep alive)."""
+        from specfleet.runtime.qtensor import NativeLayer
+
+        key = tuple(c.data_ptr() for c in (*kv.k, *kv.v))
+        cached = getattr(self, "_native_layers_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        arr = (NativeLayer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            ps = [lin.native_parts() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            arr[i] = NativeLayer(*(ctypes.addressof(p) for p in ps), *(len(p) for p in ps),
+                                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                                 layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                                 kv.k[i].data_ptr(), kv.v[i].data_ptr())
+        self._native_layers_cache = (key, arr)
+        return arr
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:

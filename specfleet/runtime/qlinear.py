@@ -90,6 +90,12 @@ class QLinear(nn.Module):
             return _product(x, *self._single)
         return torch.cat([_product(x, w, b) for w, b in self.parts], dim=-1)
 
+    def native_parts(self):
+        """The ctypes array of this layer's parts for the native calls (made once; see `fused`)."""
+        if self._cparts is None:
+            self._cparts = qtensor.fused_parts(self.parts)
+        return self._cparts
+
     def fused(self, lib, x: torch.Tensor, y: torch.Tensor, pre: int = qtensor.PRE_NONE,
               pre_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False) -> torch.Tensor:
         """`qtensor.run_fused` over this layer's parts (all QTensors; `lib` from `qtensor._get()`): y

@@ -61,6 +61,16 @@ _reason: str | None = None
 _tried = False
 
 
+class NativeLayer(ctypes.Structure):
+    """One decoder layer for `specfleet_decode_layers` (csrc/q_fused.c's sfq_layer)."""
+
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("n_qkv", ctypes.c_int64), ("n_o", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
+                ("n_down", ctypes.c_int64), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("eps1", ctypes.c_double), ("eps2", ctypes.c_double), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
 def _missing() -> str | None:
     reason = native.missing_prerequisite()
     if reason is None:
@@ -93,6 +103,9 @@ def _load() -> ctypes.CDLL:
     lib.specfleet_rope_kv.restype = None
     lib.specfleet_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64]
     lib.specfleet_attend.restype = ctypes.c_int
+    lib.specfleet_decode_layers.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
+                                            ptr, ptr, ptr, ptr, ctypes.c_float, i64]
+    lib.specfleet_decode_layers.restype = ctypes.c_int
     return lib
 
 

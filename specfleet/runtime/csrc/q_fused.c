@@ -299,11 +299,11 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
     }
 }
 
-/* q [n, H, D]; keys and values of head g for key j at k[j * ldk + g * D], v likewise; row i attends to
- * keys [0, lens[i]) with no mask; out [n, H, D]. H must be a multiple of KVH (query heads h share KV head
- * h / (H / KVH)). Returns 0, -1 for bad arguments, -2 when scratch memory could not be allocated. */
-int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
-                     int64_t ldk, const int64_t *lens, float scale, float *out, int64_t num_threads) {
+/* Rows of q [n, H, D] attending, unmasked, to lens[i] keys from cache row starts[i] (0 without starts):
+ * key j of head g at k[(starts[i] + j) * ldk + g * D], values likewise; out [n, H, D]. */
+static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                       int64_t ldk, const int64_t *starts, const int64_t *lens, float scale, float *out,
+                       int64_t num_threads) {
     if (n < 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || D % 32 != 0 || D > MAX_D || H / KVH > AMAX_G) return -1;
     int64_t lmax = 1, work = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -324,11 +324,61 @@ int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             if (!sc) continue;
-            const int64_t i = t / KVH, g = t % KVH, L = lens[i];
-            attend_group(q + (i * H + g * G) * D, G, k + g * D, v + g * D, ldk, L, D, scale, sc, (L + 7) / 8 * 8,
+            const int64_t i = t / KVH, g = t % KVH, L = lens[i], off = (starts ? starts[i] : 0) * ldk + g * D;
+            attend_group(q + (i * H + g * G) * D, G, k + off, v + off, ldk, L, D, scale, sc, (L + 7) / 8 * 8,
                          out + (i * H + g * G) * D);
         }
         free(sc);
     }
     return failed ? -2 : 0;
+}
+
+/* q [n, H, D]; keys and values of head g for key j at k[j * ldk + g * D], v likewise; row i attends to
+ * keys [0, lens[i]) with no mask; out [n, H, D]. H must be a multiple of KVH (query heads h share KV head
+ * h / (H / KVH)). Returns 0, -1 for bad arguments, -2 when scratch memory could not be allocated. */
+int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                     int64_t ldk, const int64_t *lens, float scale, float *out, int64_t num_threads) {
+    return attend_rows(q, n, H, KVH, D, k, v, ldk, 0, lens, scale, out, num_threads);
+}
+
+/* One decoder layer of a native model (runtime/model.py `_forward_native`): its four products, its
+ * norms' weights and its KV cache. */
+typedef struct {
+    const sfq_part *qkv, *o, *gate_up, *down;
+    int64_t n_qkv, n_o, n_gate_up, n_down;
+    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
+    double eps1, eps2;
+    float *k_cache, *v_cache; /* [slots, KVH, D] */
+} sfq_layer;
+
+/* Every decoder layer over T rows whose attention needs no mask (decode rows, verification rows of a
+ * chain): per layer RMSNorm + q/k/v (+ bias), rotary + KV cache write at slots, attention of row t over
+ * lens[t] keys from cache row starts[t], o product added to h, RMSNorm + gate/up, SiLU * up + down
+ * added to h; h [T, hidden] is updated in place. The same kernels as the per-layer calls, so every
+ * result is bit for bit what they give. Scratch: qkv [T, qkv_width], q and o [T, H * D], gu [T, 2 * inter].
+ * Returns 0, or the first failing call's code. */
+int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T, float *h, int64_t hidden,
+                            float *qkv, int64_t qkv_width, float *q, float *o, float *gu, int64_t inter, int64_t H,
+                            int64_t KVH, int64_t D, const int64_t *pos, const float *cos_t, const float *sin_t,
+                            const int64_t *slots, const int64_t *starts, const int64_t *lens, float scale,
+                            int64_t num_threads) {
+    int rc;
+    for (int64_t l = 0; l < nlayers; l++) {
+        const sfq_layer *ly = &layers[l];
+        rc = specfleet_q_linear_fused(ly->qkv, ly->n_qkv, hidden, h, hidden, T, PRE_RMSNORM, ly->norm1, (float)ly->eps1,
+                                      qkv, qkv_width, 0, num_threads);
+        if (rc) return rc;
+        specfleet_rope_kv(qkv, T, qkv_width, H, KVH, D, pos, cos_t, sin_t, q, ly->k_cache, ly->v_cache, slots);
+        rc = attend_rows(q, T, H, KVH, D, ly->k_cache, ly->v_cache, KVH * D, starts, lens, scale, o, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->o, ly->n_o, H * D, o, H * D, T, PRE_NONE, 0, 0.0f, h, hidden, 1, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->gate_up, ly->n_gate_up, hidden, h, hidden, T, PRE_RMSNORM, ly->norm2,
+                                      (float)ly->eps2, gu, 2 * inter, 0, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->down, ly->n_down, inter, gu, 2 * inter, T, PRE_SILU_MUL, 0, 0.0f, h, hidden,
+                                      1, num_threads);
+        if (rc) return rc;
+    }
+    return 0;
 }
