@@ -26,8 +26,11 @@ import sys
 import time
 
 
-def specfleet_steps(model_name: str, context: int, steps: int, fused: bool | None, breakdown: bool = False) -> dict:
-    """Seconds per decode step (median of `steps`) of a native model; fused None = leave the default."""
+def specfleet_steps(model_name: str, context: int, steps: int, fused: bool | None, breakdown: bool = False,
+                    prefill: int = 0) -> dict:
+    """Seconds per decode step (median of `steps`) of a native model; fused None = leave the default.
+    With `prefill` > 0: seconds of a forward over a `prefill`-token prompt from an empty cache instead
+    (median of `steps`, head over its last row)."""
     import torch
 
     from specfleet.llm import load_model
@@ -38,6 +41,16 @@ def specfleet_steps(model_name: str, context: int, steps: int, fused: bool | Non
     if fused is not None:
         model_mod.FUSED_NATIVE = fused
     model = _cached_model(model_name, load_model)
+    if prefill:
+        kv = KVCache.allocate(model.config, prefill // 16 + 2, 16, torch.float32, torch.device("cpu"))
+        ids = torch.tensor([(7919 * i) % 30000 + 100 for i in range(prefill)])
+        batch = AttentionBatch(torch.arange(prefill), [SeqAttention(prefill, 0, slice(0, prefill))])
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model.compute_logits(model(ids, torch.arange(prefill), batch, kv)[-1:])
+            times.append(time.perf_counter() - t0)
+        return {"step_s": statistics.median(times)}
     blocks = (context + steps + 16) // 16 + 1
     kv = KVCache.allocate(model.config, blocks, 16, torch.float32, torch.device("cpu"))
     ids = [(7919 * i) % 30000 + 100 for i in range(context)]
@@ -134,6 +147,8 @@ def main() -> None:
     ap.add_argument("--no-modules", action="store_true", help="leave out the module-by-module path")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0, help="time a prompt of this many tokens instead of decode steps "
+                    "(--steps forwards each; llama.cpp is left out)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP / llama.cpp threads (default: torch's)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +157,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     if args.child is not None:  # a subprocess measuring one system once
-        print(json.dumps(specfleet_steps(args.model, args.context, args.steps, None, args.breakdown)))
+        print(json.dumps(specfleet_steps(args.model, args.context, args.steps, None, args.breakdown, args.prefill)))
         return
     import torch
 
@@ -153,16 +168,16 @@ def main() -> None:
     extra: dict[str, dict] = {}
     for r in range(args.rounds):
         systems = ["fused"] + ([] if args.no_modules else ["modules"]) + (["base"] if args.base_src else []) + (
-            [] if args.no_llamacpp else ["llama.cpp"])
+            [] if args.no_llamacpp or args.prefill else ["llama.cpp"])
         for name in systems:
             if name == "fused":
-                res = specfleet_steps(args.model, args.context, args.steps, True, args.breakdown)
+                res = specfleet_steps(args.model, args.context, args.steps, True, args.breakdown, args.prefill)
             elif name == "modules":
-                res = specfleet_steps(args.model, args.context, args.steps, False, args.breakdown)
+                res = specfleet_steps(args.model, args.context, args.steps, False, args.breakdown, args.prefill)
             elif name == "base":
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(args.base_src))
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "1", "--model", args.model,
-                                       "--context", str(args.context), "--steps", str(args.steps)]
+                                       "--context", str(args.context), "--steps", str(args.steps), "--prefill", str(args.prefill)]
                                       + (["--threads", str(args.threads)] if args.threads else [])
                                       + (["--breakdown"] if args.breakdown else []),
                                       env=env, capture_output=True, text=True, check=True, cwd=args.base_src)
@@ -181,10 +196,11 @@ def main() -> None:
             print(f"round {r} {name:10s} {res['step_s'] * 1e3:7.1f} ms/step "
                   + (json.dumps(res.get("breakdown_ms")) if args.breakdown else ""), flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{args.model}, context {args.context}, {torch.get_num_threads()} threads, "
+    what = f"prefill of {args.prefill} tokens" if args.prefill else f"decode step, context {args.context}"
+    print(f"\n{args.model}, {what}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; medians over {args.rounds} rounds")
     for k, v in med.items():
-        line = f"  {k:10s} {v * 1e3:7.1f} ms/step  {1 / v:6.2f} tok/s"
+        line = f"  {k:10s} {v * 1e3:7.1f} ms/step  {max(args.prefill, 1) / v:6.2f} tok/s"
         if k != "fused":
             line += f"  fused/{k} speed {v / med['fused']:.3f}x"
         if k in extra:
