@@ -8,7 +8,8 @@ from the same rounds compare; medians over rounds are printed with ratios):
 - `base`: another source tree (`--base-src DIR`, e.g. an earlier commit unpacked with
   `git archive <commit> | tar -x -C DIR`), run in a subprocess with DIR first on PYTHONPATH;
 - `llama.cpp`: `Llama.eval` of one token at a time.
-A specfleet step is one `ModelRunner.execute` of one new token after `--context` cached tokens (the
+On a shared machine compare the best rounds too (the least disturbed ones) and the median of the
+per-round ratios. A specfleet step is one `ModelRunner.execute` of one new token after `--context` cached tokens (the
 engine's own path: batch building, forward, final norm, head logits), plus the argmax.
 
     OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/bench_decode_step.py --model qwen-1.5b \\
@@ -201,8 +202,11 @@ def main() -> None:
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; medians over {args.rounds} rounds")
     for k, v in med.items():
         line = f"  {k:10s} {v * 1e3:7.1f} ms/step  {max(args.prefill, 1) / v:6.2f} tok/s"
+        line += f"  (best round {min(results[k]) * 1e3:.1f} ms)"
         if k != "fused":
-            line += f"  fused/{k} speed {v / med['fused']:.3f}x"
+            per_round = statistics.median(b / a for a, b in zip(results["fused"], results[k]))
+            line += (f"  fused/{k} speed: of medians {v / med['fused']:.3f}x, median per round {per_round:.3f}x, "
+                     f"of best rounds {min(results[k]) / min(results['fused']):.3f}x")
         if k in extra:
             line += "  breakdown(ms) " + ", ".join(f"{n} {statistics.median(x):.1f}" for n, x in extra[k].items())
         print(line)
