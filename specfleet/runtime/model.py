@@ -7,13 +7,15 @@ dtype) so fp32 logits agree with transformers to rounding.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specfleet.errors import ModelLoadError
 from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
-from specfleet.runtime.attention import AttentionBatch, paged_attention
+from specfleet.runtime.attention import ROWWISE_ROWS, AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
 
@@ -21,6 +23,37 @@ from specfleet.runtime.model_config import ModelConfig
 UPCAST_ROWS = default_upcast_rows()  # read per call, so tests and benchmarks may change them
 WEIGHT_LEFT = default_weight_left()
 NATIVE_ROWS = default_native_rows()
+# Native GGUF models (every linear layer a block-format QLinear, fp32 activations, CPU) run each
+# decoder layer as a few calls into csrc/q_fused.c (`DecoderLM._forward_native`); False keeps the
+# module-by-module forward (benchmarks compare the two). Read per call.
+FUSED_NATIVE = True
+
+
+def _stack_plan(batch: AttentionBatch, t: int, heads: int, kv_heads: int, d: int, num_slots: int):
+    """For `specfleet_decode_layers`: each row's first cache row and key count (ctypes int64 arrays) when
+    every row attends, unmasked, to a prefix of its request's cache rows held in consecutive slots:
+    decode rows and verification rows of a chain (or of a tree whose rows' ancestors are all earlier
+    rows), as `attention._attend_native` would run them; None otherwise (prompt chunks, fragmented
+    blocks, hidden context, head sizes the C attention does not take)."""
+    if d % 32 or d > 512 or heads // kv_heads > 16:
+        return None
+    starts, lens = [], []
+    for seq in batch.seqs:
+        n, c, kv = seq.query_len, seq.context_len, seq.kv
+        if not isinstance(kv, slice) or kv.step not in (None, 1) or seq.context_mask is not None:
+            return None
+        if n > 1 and not (c and n <= ROWWISE_ROWS):
+            return None
+        if n > 1 and seq.new_mask is not None and not bool(seq.new_mask.tril().sum() == n * (n + 1) // 2):
+            return None  # a tree row that does not see every earlier row: it gathers its keys
+        start = kv.start or 0
+        if start < 0 or start + c + n > num_slots:
+            return None
+        starts += [start] * n
+        lens += range(c + 1, c + n + 1)
+    if len(lens) != t:
+        return None
+    return (ctypes.c_int64 * t)(*starts), (ctypes.c_int64 * t)(*lens)
 
 
 class Linear(nn.Linear):
@@ -127,6 +160,9 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: KVCache) -> torch.Tensor:  # -> hidden [num_tokens, hidden]
+        lib = self._native_lib(input_ids, kv) if FUSED_NATIVE else None
+        if lib is not None:
+            return self._forward_native(lib, input_ids, positions, batch, kv)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             residual = h
@@ -135,6 +171,108 @@ class DecoderLM(nn.Module):
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _native_lib(self, input_ids: torch.Tensor, kv: KVCache):
+        """The native library when this model can run `_forward_native` (every linear layer of every
+        decoder layer a QLinear wholly in block formats, no q/k norm, fp32 CPU KV cache), else None.
+        Whether it can is a property of the model, so every step of a request (decode, verification,
+        prefill) takes the same path."""
+        k0 = kv.k[0]
+        if input_ids.device.type != "cpu" or k0.dtype != torch.float32 or k0.device.type != "cpu" or not all(
+                c.is_contiguous() for c in (k0, kv.v[0])):
+            return None
+        ok = getattr(self, "_native_ok", None)
+        if ok is None:
+            from specfleet.runtime.qlinear import QLinear
+
+            def quantized(m) -> bool:
+                return isinstance(m, QLinear) and m.all_quantized
+
+            cfg = self.config
+            ok = (cfg.head_dim % 2 == 0
+                  and self.rotary.cos.dtype == torch.float32 and self.rotary.cos.is_contiguous()
+                  and all(quantized(layer.self_attn.qkv_proj) and quantized(layer.self_attn.o_proj)
+                          and quantized(layer.mlp.gate_up_proj) and quantized(layer.mlp.down_proj)
+                          and layer.self_attn.q_norm is None and layer.input_layernorm.weight.dtype == torch.float32
+                          and layer.post_attention_layernorm.weight.dtype == torch.float32
+                          for layer in self.layers))
+            self._native_ok = ok
+        if not ok:
+            return None
+        from specfleet.runtime import qtensor
+
+        return qtensor._get()
+
+    def _forward_native(self, lib, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                        kv: KVCache) -> torch.Tensor:
+        """The forward of a native GGUF model, a decoder layer in six native calls (csrc/q_fused.c):
+        RMSNorm + q/k/v products + bias; rotary + KV cache write; attention (decode and verification
+        rows in C, longer chunks as `paged_attention` does them); o product added to the residual;
+        RMSNorm + gate/up products; SiLU * up + down product added to the residual. Every one computes a
+        row the same way whatever the other rows of the step, so speculation stays lossless."""
+        from specfleet.runtime.qtensor import PRE_RMSNORM, PRE_SILU_MUL
+
+        cfg = self.config
+        h = self.embed_tokens(input_ids).to(torch.float32).contiguous()  # a new tensor, updated in place below
+        t = h.shape[0]
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pos = positions.to(torch.int64).contiguous()
+        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        if t and (int(pos.min()) < 0 or int(pos.max()) >= self.rotary.cos.shape[0]):
+            raise IndexError(f"positions must lie in [0, {self.rotary.cos.shape[0]})")
+        if t and (int(slots.min()) < 0 or int(slots.max()) >= kv.k[0].shape[0]):
+            raise IndexError(f"slot mapping must lie in [0, {kv.k[0].shape[0]})")
+        first = self.layers[0]
+        qkv = torch.empty((t, first.self_attn.qkv_proj.out_features), dtype=torch.float32)
+        q = torch.empty((t, heads, d), dtype=torch.float32)
+        o = torch.empty((t, heads, d), dtype=torch.float32)
+        gu = torch.empty((t, first.mlp.gate_up_proj.out_features), dtype=torch.float32)
+        cos, sin = self.rotary.cos, self.rotary.sin
+        plan = _stack_plan(batch, t, heads, kv_heads, d, kv.k[0].shape[0])
+        if plan is not None:  # every row's attention unmasked over a prefix of its request's cache rows
+            starts, lens = plan
+            rc = lib.specfleet_decode_layers(
+                ctypes.addressof(self._native_layers(kv)), len(self.layers), t, h.data_ptr(), cfg.hidden_size,
+                qkv.data_ptr(), qkv.shape[1], q.data_ptr(), o.data_ptr(), gu.data_ptr(), gu.shape[1] // 2, heads,
+                kv_heads, d, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ctypes.addressof(starts),
+                ctypes.addressof(lens), first.self_attn.scale, torch.get_num_threads())
+            if rc != 0:
+                raise ValueError(f"the native decoder layers refused their arguments (code {rc})")
+            return self.norm(h)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            attn.qkv_proj.fused(lib, h, qkv, PRE_RMSNORM, norm.weight, norm.eps)
+            k_cache, v_cache = kv.k[i], kv.v[i]
+            lib.specfleet_rope_kv(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, d, pos.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slots.data_ptr())
+            paged_attention(q, k_cache, v_cache, batch, attn.scale, lib, out=o)
+            attn.o_proj.fused(lib, o.view(t, heads * d), h, accumulate=True)
+            norm = layer.post_attention_layernorm
+            mlp.gate_up_proj.fused(lib, h, gu, PRE_RMSNORM, norm.weight, norm.eps)
+            mlp.down_proj.fused(lib, gu, h, PRE_SILU_MUL, accumulate=True)
+        return self.norm(h)
+
+    def _native_layers(self, kv: KVCache):
+        """The ctypes array of NativeLayer for `specfleet_decode_layers` over `kv` (made once per KV cache;
+        it points into the layers' weights and the cache, which this model and `kv` keep alive)."""
+        from specfleet.runtime.qtensor import NativeLayer
+
+        key = tuple(c.data_ptr() for c in (*kv.k, *kv.v))
+        cached = getattr(self, "_native_layers_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        arr = (NativeLayer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            ps = [lin.native_parts() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            arr[i] = NativeLayer(*(ctypes.addressof(p) for p in ps), *(len(p) for p in ps),
+                                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                                 layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                                 kv.k[i].data_ptr(), kv.v[i].data_ptr())
+        self._native_layers_cache = (key, arr)
+        return arr
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specfleet.runtime import qtensor
 from specfleet.runtime.cpu_linear import cpu_linear
 from specfleet.runtime.qtensor import QTensor, qlinear
 
@@ -67,6 +68,9 @@ class QLinear(nn.Module):
         self.parts = list(zip(fused, biases))  # plain attributes: see the module docstring
         self._single = self.parts[0] if len(self.parts) == 1 else None
         self._head_rows: dict[int, Weight] = {}
+        # every part in a block format: one native call computes them all (csrc/q_fused.c)
+        self.all_quantized = all(isinstance(w, QTensor) for w, _ in self.parts)
+        self._cparts = None
 
     @property
     def weight_nbytes(self) -> int:
@@ -77,9 +81,30 @@ class QLinear(nn.Module):
         return [w.qtype.name if isinstance(w, QTensor) else "F32" for w, _ in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] fp32 -> [rows, out] fp32
+        lib = qtensor._get() if self.all_quantized else None
+        if (lib is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.shape[1] == self.in_features):
+            # one call for every part, bit for bit what the per-part products and the cat give
+            return self.fused(lib, x.contiguous(), torch.empty((x.shape[0], self.out_features), dtype=torch.float32))
         if self._single is not None:
             return _product(x, *self._single)
         return torch.cat([_product(x, w, b) for w, b in self.parts], dim=-1)
+
+    def native_parts(self):
+        """The ctypes array of this layer's parts for the native calls (made once; see `fused`)."""
+        if self._cparts is None:
+            self._cparts = qtensor.fused_parts(self.parts)
+        return self._cparts
+
+    def fused(self, lib, x: torch.Tensor, y: torch.Tensor, pre: int = qtensor.PRE_NONE,
+              pre_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False) -> torch.Tensor:
+        """`qtensor.run_fused` over this layer's parts (all QTensors; `lib` from `qtensor._get()`): y
+        [rows, out_features] (=, or += with `accumulate`) pre(x) @ W^T + bias. No checks: the caller
+        (runtime/model.py's native layer path) has made them."""
+        if self._cparts is None:
+            self._cparts = qtensor.fused_parts(self.parts)
+        return qtensor.run_fused(lib, self._cparts, len(self.parts), self.in_features, x, y, pre, pre_weight, eps,
+                                 accumulate)
 
     def matmul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The head's logits [n, out], or over only the first `rows` outputs (a draft's reduced vocabulary)."""

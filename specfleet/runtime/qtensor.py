@@ -40,15 +40,35 @@ SUPPORTED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K})
 K_TYPES = frozenset({T.Q4_K, T.Q6_K})  # 256-weight super-blocks
 FALLBACK_ROWS = 4096  # weight rows the fallback dequantizes at a time
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c"]  # linked into one library
+# linked into one library; q_fused.c holds the fused per-layer calls of native models (runtime/model.py)
+SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c"]
 HEADERS = (_CSRC / "q_common.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI = 1
+ABI = 2
+# input transforms of `run_fused` (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
+PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
+
+
+class FusedPart(ctypes.Structure):
+    """One weight of a fused product (csrc/q_fused.c's sfq_part)."""
+
+    _fields_ = [("type", ctypes.c_int64), ("W", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("N", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _tried = False
+
+
+class NativeLayer(ctypes.Structure):
+    """One decoder layer for `specfleet_decode_layers` (csrc/q_fused.c's sfq_layer)."""
+
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("n_qkv", ctypes.c_int64), ("n_o", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
+                ("n_down", ctypes.c_int64), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("eps1", ctypes.c_double), ("eps2", ctypes.c_double), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
 
 
 def _missing() -> str | None:
@@ -76,6 +96,16 @@ def _load() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     lib.specfleet_q_act_row_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.specfleet_q_act_row_bytes.restype = ctypes.c_int64
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.specfleet_q_linear_fused.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64]
+    lib.specfleet_q_linear_fused.restype = ctypes.c_int
+    lib.specfleet_rope_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.specfleet_rope_kv.restype = None
+    lib.specfleet_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64]
+    lib.specfleet_attend.restype = ctypes.c_int
+    lib.specfleet_decode_layers.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
+                                            ptr, ptr, ptr, ptr, ctypes.c_float, i64]
+    lib.specfleet_decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -233,6 +263,33 @@ def run_qlinear(lib: ctypes.CDLL, x: torch.Tensor, w: QTensor) -> torch.Tensor:
                                     y.data_ptr(), act.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the native kernel refused {w!r}")
+    return y
+
+
+def fused_parts(parts: list[tuple[QTensor, torch.Tensor | None]]):
+    """The ctypes array `run_fused` takes for weights (with optional fp32 contiguous biases) sharing an
+    input; it points into their storage, so the caller keeps `parts` alive as long as the array."""
+    arr = (FusedPart * len(parts))()
+    for i, (w, b) in enumerate(parts):
+        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous() or tuple(b.shape) != (w.shape[0],)):
+            raise ValueError(f"fused_parts: the bias of {w!r} must be contiguous fp32 of shape ({w.shape[0]},)")
+        arr[i] = FusedPart(int(w.qtype), w.data.data_ptr(), w.data.shape[1], w.shape[0],
+                           None if b is None else b.data_ptr())
+    return arr
+
+
+def run_fused(lib: ctypes.CDLL, parts, nparts: int, k: int, x: torch.Tensor, y: torch.Tensor, pre: int = PRE_NONE,
+              pre_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False) -> torch.Tensor:
+    """y[:, sum of parts' N] (=, or += with `accumulate`) pre(x) @ W^T (+ bias) for the weights of `parts`
+    (`fused_parts`), side by side; without checks beyond the kernel's own. x fp32 [M, K] rows (or [M, 2K]:
+    gate | up with PRE_SILU_MUL) with unit inner stride, y fp32 [M, *] likewise; pre_weight fp32 [K]
+    contiguous with PRE_RMSNORM. Per row the same computation whatever M is (csrc/q_fused.c)."""
+    m = x.shape[0]
+    rc = lib.specfleet_q_linear_fused(parts, nparts, k, x.data_ptr(), x.stride(0), m, pre,
+                                      None if pre_weight is None else pre_weight.data_ptr(), eps, y.data_ptr(),
+                                      y.stride(0), int(accumulate), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"the native fused kernel refused its arguments (code {rc})")
     return y
 
 

@@ -25,9 +25,12 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 
 typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;            /* 40 B */
 typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B */
 
-/* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into y[M, N] */
+/* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
+ * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate
+ * (a residual add fused into the product). The epilogue is the same whatever M is. */
 typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,
-                        int64_t c0, int64_t c1, int64_t n0, int64_t n1, int64_t N, float *y);
+                        int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,
+                        const float *bias, int accumulate);
 
 cols_fn sfq_legacy_columns(int type);  /* q_legacy.c; 0 for another type */
 cols_fn sfq_kquant_columns(int type);  /* q_kquants.c; 0 for another type */
@@ -58,7 +61,19 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
  * tile height, so the loops over a weight row's blocks carry no dispatch. */
 #define DEFINE_COLUMNS(NAME, FN, XT)                                                              \
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
-                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, int64_t N, float *y) {          \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
+                     const float *bias, int accumulate) {                                         \
+        if (c1 - c0 == 1) { /* one activation row (a decode step): the same FN with R = 1, less set-up */ \
+            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
+            float *yr = y + c0 * ldy;                                                             \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                float v;                                                                          \
+                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
+                if (bias) v += bias[n];                                                           \
+                yr[n] = accumulate ? yr[n] + v : v;                                               \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
         for (int64_t n = n0; n < n1; n++) {                                                       \
             const uint8_t *wrow = W + n * row_bytes;                                              \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
@@ -76,7 +91,12 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
                 case 7: FN(wrow, nb, xs, 7, out); break;                                          \
                 default: FN(wrow, nb, xs, 8, out); break;                                         \
                 }                                                                                 \
-                for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = out[r];                         \
+                for (int r = 0; r < R; r++) {                                                     \
+                    float v = out[r];                                                             \
+                    if (bias) v += bias[n];                                                       \
+                    float *dst = y + (m0 + r) * ldy + n;                                          \
+                    *dst = accumulate ? *dst + v : v;                                             \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     }

@@ -54,19 +54,28 @@ typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } b_q4_k
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } b_q6_k;
 
 /* The eight 6-bit scales (bytes 0..7 of the result) and mins (bytes 8..15) of a Q4_K block, from its
- * 12 packed bytes taken as three little-endian words u0, u1, u2:
+ * 12 packed bytes taken as three little-endian words u0, u1, u2 (byte-wise, in one SSE register):
  *   sc[0..3] = u0 & 63,  mn[0..3] = u1 & 63  (per byte)
  *   sc[4..7] = (u2 & 15) | (u0 >> 6) << 4,  mn[4..7] = (u2 >> 4 & 15) | (u1 >> 6) << 4 */
 ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    return _mm_setr_epi32((int)(u[0] & m6), (int)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)),
-                          (int)(u[1] & m6), (int)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)));
+    /* bytes s[0..15] (the 12 packed bytes and 4 of the quants that follow them in the block, unused) */
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    /* dwords: a = (u0, u2, u1, u2) for the low bits, b = (-, u0, -, u1) for the top two bits of sc/mn[0..3] */
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(0x03)), 4);
+    const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3f));
+    const __m128i lo4 = _mm_or_si128(_mm_and_si128(a, m4), top);
+    const __m128i hi4 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), top);
+    return _mm_blend_epi32(_mm_blend_epi32(low6, lo4, 0x2), hi4, 0x8);
 }
 
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
+    /* the mins' products go to their own accumulators: one dependent FMA per block and chain, not two */
+    __m256 macc[TILE];
+    for (int r = 0; r < R; r++) macc[r] = _mm256_setzero_ps();
     const b_q4_k *w = (const b_q4_k *)wrow;
     const __m256i lo_mask = _mm256_set1_epi8(0x0f);
     /* pick 16-bit element j of a vector holding 8 of them, into every lane */
@@ -98,19 +107,25 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
             const xq256 *xb = &x[r][b];
             const __m256i mterm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsum));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), acc[r]);
+            macc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), macc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(macc[r]);
 }
 
 ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q6_k *w = (const b_q6_k *)wrow;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+    __m256i pick[8]; /* byte s into the high byte of every 16-bit element: s = 2k in the low lane, 2k+1 high */
+    for (int k = 0; k < 8; k++) {
+        const int16_t lo = (int16_t)(((2 * k) << 8) | 0x80), hi = (int16_t)(((2 * k + 1) << 8) | 0x80);
+        pick[k] = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+    }
     for (int64_t b = 0; b < nb; b++) {
         const float d = h2f(w[b].d);
         const int8_t *scales = w[b].scales;
+        const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)scales));
         __m256i isum[TILE];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -127,8 +142,9 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
             for (int g = 0; g < 4; g++) {
-                const int s0 = 8 * h + 2 * g;
-                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scales[s0 + 1]), _mm_set1_epi16(scales[s0]));
+                /* scales[8h + 2g] in the low lane's 16-bit elements, scales[8h + 2g + 1] in the high
+                 * lane's: the byte moved into each element's high byte, then shifted down with its sign */
+                const __m256i sv = _mm256_srai_epi16(_mm256_shuffle_epi8(sc8, pick[4 * h + g]), 8);
                 for (int r = 0; r < R; r++) {
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * g));
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xv), sv));

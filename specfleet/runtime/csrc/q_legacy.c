@@ -56,13 +56,11 @@ typedef struct { uint16_t d, m; uint8_t qs[16]; } b_q4_1;
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } b_q5_0;
 typedef struct { uint16_t d; int8_t qs[32]; } b_q8_0;
 
-/* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31) */
+/* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31); the bytes
+ * go to both lanes, the high lane's dwords shift down by 4 (bits of the next byte are masked away) */
 ALWAYS_INLINE __m256i nibbles32(const uint8_t *qs) {
-    const __m128i lo_mask = _mm_set1_epi8(0x0f);
-    __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(q, lo_mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), lo_mask);
-    return _mm256_set_m128i(hi, lo);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
 /* the 32 bits of qh -> 32 bytes, 0x10 where the bit is set */

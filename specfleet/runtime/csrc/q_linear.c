@@ -51,10 +51,10 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
         const int64_t n0 = ch * RCH, n1 = n0 + RCH < N ? n0 + RCH : N;
         for (int64_t c0 = 0; c0 < M; c0 += XCHUNK) {
             const int64_t c1 = c0 + XCHUNK < M ? c0 + XCHUNK : M;
-            cols(W, row_bytes, nb, a, arb, c0, c1, n0, n1, N, y);
+            cols(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, N, 0, 0);
         }
     }
     return 0;
 }
 
-int specfleet_q_abi(void) { return 1; }
+int specfleet_q_abi(void) { return 2; }

@@ -1,0 +1,384 @@
+/* Fused per-layer work for specfleet's native GGUF models (fp32 activations on the CPU), built into the
+ * same library as q_linear.c: a decoder layer of a native model is a handful of calls into this file
+ * instead of dozens of small torch ops, which on a 2-core CPU were about a third of a decode step.
+ *
+ *   specfleet_q_linear_fused  one or more block-format weights that share their input (q/k/v, gate/up,
+ *                             mixed formats allowed) in one call: each input row is optionally
+ *                             transformed first (RMSNorm with a weight, or SiLU(gate) * up), quantized
+ *                             once per activation format, and multiplied by every part in one OpenMP
+ *                             loop; outputs land side by side in y (+ bias), or are added to y (a
+ *                             residual add fused into the product).
+ *   specfleet_rope_kv         rotary embedding of q and k from the fused q/k/v output, k and v written
+ *                             to their KV cache slots.
+ *   specfleet_attend          attention of query rows over a prefix of a request's cached keys, one
+ *                             (row, head) at a time with no mask.
+ *
+ * Batch invariance (q_common.h): every output row is computed by the same instruction sequence over the
+ * same data in the same order whatever the number of rows in the call, which rows share a tile and which
+ * thread runs it. RMSNorm and SiLU * mul are per row; attention is per (row, head), its keys being
+ * exactly the row's own: a verification row given its prefix of keys computes bit for bit what the
+ * decode step of that token computes. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "q_common.h"
+
+#define FRCH 16           /* weight rows per scheduled chunk (as q_linear.c) */
+#define FXCHUNK 64        /* activation rows swept per weight row before moving on */
+#define FQUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread */
+#define MAX_PARTS 8
+#define ATTEND_PAR_WORK (1 << 20) /* multiply-adds from which attention forks threads */
+
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
+
+typedef struct {
+    int64_t type;
+    const uint8_t *W;
+    int64_t row_bytes;
+    int64_t N;
+    const float *bias; /* N floats, or 0 */
+} sfq_part;
+
+static int is_k(int64_t type) { return type == T_Q4_K || type == T_Q6_K; }
+
+/* exp of 8 floats: x clamped to [-87.3, 88.3], 2^n * p(r) with r = x - n ln 2 (|r| <= ln2 / 2) and
+ * p the degree-7 Taylor-like polynomial of Cephes' expf (relative error about 2e-7). */
+ALWAYS_INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* the same for a tail of t < 8 values (the lanes past t are computed from zeros and dropped) */
+static void exp_tail(const float *x, int64_t t, float *out) {
+    float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < t; i++) buf[i] = x[i];
+    _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
+    for (int64_t i = 0; i < t; i++) out[i] = buf[i];
+}
+
+/* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): sums of squares in 32 lanes, added in a fixed order */
+static void rmsnorm_row(const float *x, int64_t K, const float *w, float eps, float *out) {
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+            s[j] = _mm256_fmadd_ps(v, v, s[j]);
+        }
+    float ss = hsum8(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
+    for (; i < K; i++) ss += x[i] * x[i];
+    const float r = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_sqrt_ss(_mm_set_ss(ss / (float)K + eps))));
+    const __m256 rv = _mm256_set1_ps(r);
+    for (i = 0; i + 8 <= K; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
+    for (; i < K; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* out = silu(g) * u = g / (1 + exp(-g)) * u */
+static void silu_mul_row(const float *g, const float *u, int64_t K, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_xor_ps(gv, neg));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    if (i < K) {
+        float ng[8], e[8];
+        for (int64_t j = i; j < K; j++) ng[j - i] = -g[j];
+        exp_tail(ng, K - i, e);
+        for (int64_t j = i; j < K; j++) out[j] = g[j] / (1.0f + e[j - i]) * u[j];
+    }
+}
+
+/* Rows x[m * ldx ...] (m < M; with PRE_SILU_MUL a row is gate[K] then up[K]) -> y[m * ldy + col], the
+ * parts' outputs side by side. pre: PRE_NONE, PRE_RMSNORM (pre_w[K], eps) or PRE_SILU_MUL. Returns 0, or
+ * -1 for bad arguments (an unknown format, K not a multiple of a format's block, too many parts), -2
+ * when scratch memory could not be allocated. */
+int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx, int64_t M,
+                             int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate,
+                             int64_t num_threads) {
+    if (nparts < 1 || nparts > MAX_PARTS || K <= 0 || M < 0 || pre < PRE_NONE || pre > PRE_SILU_MUL) return -1;
+    if (pre == PRE_RMSNORM && !pre_w) return -1;
+    int need256 = 0, need32 = 0;
+    cols_fn cols[MAX_PARTS];
+    int64_t start[MAX_PARTS + 1], col0[MAX_PARTS];
+    start[0] = 0;
+    int64_t col = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t t = parts[p].type;
+        const int kq = is_k(t);
+        cols[p] = kq ? sfq_kquant_columns((int)t) : sfq_legacy_columns((int)t);
+        if (!cols[p] || K % (kq ? 256 : 32) != 0 || parts[p].N < 0) return -1;
+        need256 |= kq;
+        need32 |= !kq;
+        start[p + 1] = start[p] + (parts[p].N + FRCH - 1) / FRCH;
+        col0[p] = col;
+        col += parts[p].N;
+    }
+    if (M == 0 || col == 0) return 0;
+    const int nt = num_threads < 1 ? 1 : (int)num_threads;
+    const int64_t arb256 = (K / 256) * (int64_t)sizeof(xq256), arb32 = (K / 32) * (int64_t)sizeof(xq32);
+    uint8_t *a256 = need256 ? (uint8_t *)malloc((size_t)(M * arb256)) : 0;
+    uint8_t *a32 = need32 ? (uint8_t *)malloc((size_t)(M * arb32)) : 0;
+    if ((need256 && !a256) || (need32 && !a32)) {
+        free(a256);
+        free(a32);
+        return -2;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (M >= FQUANT_PAR_ROWS && nt > 1)
+    {
+        float *buf = pre != PRE_NONE ? (float *)malloc((size_t)K * sizeof(float)) : 0;
+        if (pre != PRE_NONE && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (pre != PRE_NONE && !buf) continue;
+            const float *row = x + m * ldx;
+            if (pre == PRE_RMSNORM) {
+                rmsnorm_row(row, K, pre_w, eps, buf);
+                row = buf;
+            } else if (pre == PRE_SILU_MUL) {
+                silu_mul_row(row, row + K, K, buf);
+                row = buf;
+            }
+            if (need256) sfq_quantize_row256(row, K, (xq256 *)(a256 + m * arb256));
+            if (need32) sfq_quantize_row32(row, K, (xq32 *)(a32 + m * arb32));
+        }
+        free(buf);
+    }
+    if (failed) {
+        free(a256);
+        free(a32);
+        return -2;
+    }
+    const int64_t nchunks = start[nparts];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nchunks > 1)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        int64_t p = 0;
+        while (ch >= start[p + 1]) p++;
+        const sfq_part *pt = &parts[p];
+        const int kq = is_k(pt->type);
+        const int64_t n0 = (ch - start[p]) * FRCH, n1 = n0 + FRCH < pt->N ? n0 + FRCH : pt->N;
+        const uint8_t *a = kq ? a256 : a32;
+        const int64_t arb = kq ? arb256 : arb32, nb = K / (kq ? 256 : 32);
+        for (int64_t c0 = 0; c0 < M; c0 += FXCHUNK) {
+            const int64_t c1 = c0 + FXCHUNK < M ? c0 + FXCHUNK : M;
+            cols[p](pt->W, pt->row_bytes, nb, a, arb, c0, c1, n0, n1, y + col0[p], ldy, pt->bias, (int)accumulate);
+        }
+    }
+    free(a256);
+    free(a32);
+    return 0;
+}
+
+/* out[d] = x[d] * cos[d] + rot[d] * sin[d], rot = (-x[D/2:], x[:D/2]): the arithmetic of Rotary.forward
+ * in runtime/model.py (a product each, then the sum; no fused multiply-add), so it equals torch's. */
+static void rope_head(const float *x, const float *c, const float *s, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    if (half % 8 == 0) {
+        const __m256 neg = _mm256_set1_ps(-0.0f);
+        for (int64_t d = 0; d < half; d += 8) {
+            const __m256 a = _mm256_loadu_ps(x + d), b = _mm256_loadu_ps(x + half + d);
+            _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + d)),
+                                                    _mm256_mul_ps(_mm256_xor_ps(b, neg), _mm256_loadu_ps(s + d))));
+            _mm256_storeu_ps(out + half + d, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + d)),
+                                                           _mm256_mul_ps(a, _mm256_loadu_ps(s + half + d))));
+        }
+        return;
+    }
+    for (int64_t d = 0; d < half; d++) {
+        const float a = x[d], b = x[half + d];
+        const float p0 = a * c[d], p1 = -b * s[d], p2 = b * c[half + d], p3 = a * s[half + d];
+        out[d] = p0 + p1;
+        out[half + d] = p2 + p3;
+    }
+}
+
+/* qkv [T, ldqkv] rows of q (H heads) | k (KVH heads) | v (KVH heads), head size D; cos/sin [*, D] tables
+ * indexed by pos[t]. Writes rotated q to q_out [T, H, D], rotated k and v to rows slots[t] of the caches
+ * [*, KVH, D]. */
+void specfleet_rope_kv(const float *qkv, int64_t T, int64_t ldqkv, int64_t H, int64_t KVH, int64_t D,
+                       const int64_t *pos, const float *cos_t, const float *sin_t, float *q_out, float *k_cache,
+                       float *v_cache, const int64_t *slots) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ldqkv, *c = cos_t + pos[t] * D, *s = sin_t + pos[t] * D;
+        for (int64_t h = 0; h < H; h++) rope_head(row + h * D, c, s, D, q_out + (t * H + h) * D);
+        float *kd = k_cache + slots[t] * KVH * D, *vd = v_cache + slots[t] * KVH * D;
+        for (int64_t h = 0; h < KVH; h++) rope_head(row + (H + h) * D, c, s, D, kd + h * D);
+        memcpy(vd, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
+    }
+}
+
+/* 8 sums of 8 lanes each -> one vector of the 8 sums (a fixed tree of horizontal adds) */
+ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    /* ab: lanes 0-3 keys 0-3 (low halves), 4-7 keys 0-3 (high halves); cd likewise for keys 4-7 */
+    const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+#define AMAX_G 16 /* query heads per KV head handled together */
+#define MAX_D 512 /* head sizes up to this */
+
+/* The G query heads q[a * D] (a < G) sharing one KV head, over L keys: out[a * D] = softmax(scale *
+ * q_a.k) weighted sum of v. Scores go 8 keys at a time (keys past L read as zeros and are dropped), so
+ * a key's score never depends on L; sc: G * L8 floats of scratch, L8 = L rounded up to 8. */
+static void attend_group(const float *q, int64_t G, const float *k, const float *v, int64_t ldk, int64_t L,
+                         int64_t D, float scale, float *sc, int64_t L8, float *out) {
+    static const float zero[MAX_D] = {0};
+    for (int64_t j0 = 0; j0 < L; j0 += 8) {
+        const float *kr[8];
+        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + (j0 + u) * ldk : zero;
+        for (int64_t a = 0; a < G; a++) {
+            const float *qa = q + a * D;
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qa + d);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), acc[u]);
+            }
+            _mm256_storeu_ps(sc + a * L8 + j0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+    for (int64_t a = 0; a < G; a++) {
+        float *s = sc + a * L8;
+        float mx = s[0];
+        for (int64_t j = 1; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int64_t j = 0; j < L; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - j)), lane));
+            e = _mm256_and_ps(e, live); /* keys past L weigh nothing */
+            _mm256_storeu_ps(s + j, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        const float inv = 1.0f / hsum8(sv);
+        for (int64_t j = 0; j < L8; j++) s[j] *= inv;
+    }
+    /* out_a = sum_j p_a[j] v_j: 32 values of D at a time for two heads at a time (8 accumulators) */
+    for (int64_t a = 0; a < G; a += 2) {
+        const int two = a + 1 < G;
+        const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
+        for (int64_t d = 0; d < D; d += 32) {
+            __m256 x0[4], x1[4];
+            for (int u = 0; u < 4; u++) x0[u] = x1[u] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < L; j++) {
+                const float *vr = v + j * ldk + d;
+                const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+                for (int u = 0; u < 4; u++) {
+                    const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
+                    x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
+                    x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+                }
+            }
+            for (int u = 0; u < 4; u++) {
+                _mm256_storeu_ps(out + a * D + d + 8 * u, x0[u]);
+                if (two) _mm256_storeu_ps(out + (a + 1) * D + d + 8 * u, x1[u]);
+            }
+        }
+    }
+}
+
+/* Rows of q [n, H, D] attending, unmasked, to lens[i] keys from cache row starts[i] (0 without starts):
+ * key j of head g at k[(starts[i] + j) * ldk + g * D], values likewise; out [n, H, D]. */
+static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                       int64_t ldk, const int64_t *starts, const int64_t *lens, float scale, float *out,
+                       int64_t num_threads) {
+    if (n < 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || D % 32 != 0 || D > MAX_D || H / KVH > AMAX_G) return -1;
+    int64_t lmax = 1, work = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (lens[i] < 1) return -1;
+        lmax = lens[i] > lmax ? lens[i] : lmax;
+        work += lens[i] * H * D;
+    }
+    const int64_t G = H / KVH, tasks = n * KVH, l8 = (lmax + 7) / 8 * 8;
+    const int nt = num_threads < 1 ? 1 : (int)num_threads;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1 && work >= ATTEND_PAR_WORK && tasks > 1)
+    {
+        float *sc = (float *)malloc((size_t)(G * l8) * sizeof(float));
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!sc) continue;
+            const int64_t i = t / KVH, g = t % KVH, L = lens[i], off = (starts ? starts[i] : 0) * ldk + g * D;
+            attend_group(q + (i * H + g * G) * D, G, k + off, v + off, ldk, L, D, scale, sc, (L + 7) / 8 * 8,
+                         out + (i * H + g * G) * D);
+        }
+        free(sc);
+    }
+    return failed ? -2 : 0;
+}
+
+/* q [n, H, D]; keys and values of head g for key j at k[j * ldk + g * D], v likewise; row i attends to
+ * keys [0, lens[i]) with no mask; out [n, H, D]. H must be a multiple of KVH (query heads h share KV head
+ * h / (H / KVH)). Returns 0, -1 for bad arguments, -2 when scratch memory could not be allocated. */
+int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                     int64_t ldk, const int64_t *lens, float scale, float *out, int64_t num_threads) {
+    return attend_rows(q, n, H, KVH, D, k, v, ldk, 0, lens, scale, out, num_threads);
+}
+
+/* One decoder layer of a native model (runtime/model.py `_forward_native`): its four products, its
+ * norms' weights and its KV cache. */
+typedef struct {
+    const sfq_part *qkv, *o, *gate_up, *down;
+    int64_t n_qkv, n_o, n_gate_up, n_down;
+    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
+    double eps1, eps2;
+    float *k_cache, *v_cache; /* [slots, KVH, D] */
+} sfq_layer;
+
+/* Every decoder layer over T rows whose attention needs no mask (decode rows, verification rows of a
+ * chain): per layer RMSNorm + q/k/v (+ bias), rotary + KV cache write at slots, attention of row t over
+ * lens[t] keys from cache row starts[t], o product added to h, RMSNorm + gate/up, SiLU * up + down
+ * added to h; h [T, hidden] is updated in place. The same kernels as the per-layer calls, so every
+ * result is bit for bit what they give. Scratch: qkv [T, qkv_width], q and o [T, H * D], gu [T, 2 * inter].
+ * Returns 0, or the first failing call's code. */
+int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T, float *h, int64_t hidden,
+                            float *qkv, int64_t qkv_width, float *q, float *o, float *gu, int64_t inter, int64_t H,
+                            int64_t KVH, int64_t D, const int64_t *pos, const float *cos_t, const float *sin_t,
+                            const int64_t *slots, const int64_t *starts, const int64_t *lens, float scale,
+                            int64_t num_threads) {
+    int rc;
+    for (int64_t l = 0; l < nlayers; l++) {
+        const sfq_layer *ly = &layers[l];
+        rc = specfleet_q_linear_fused(ly->qkv, ly->n_qkv, hidden, h, hidden, T, PRE_RMSNORM, ly->norm1, (float)ly->eps1,
+                                      qkv, qkv_width, 0, num_threads);
+        if (rc) return rc;
+        specfleet_rope_kv(qkv, T, qkv_width, H, KVH, D, pos, cos_t, sin_t, q, ly->k_cache, ly->v_cache, slots);
+        rc = attend_rows(q, T, H, KVH, D, ly->k_cache, ly->v_cache, KVH * D, starts, lens, scale, o, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->o, ly->n_o, H * D, o, H * D, T, PRE_NONE, 0, 0.0f, h, hidden, 1, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->gate_up, ly->n_gate_up, hidden, h, hidden, T, PRE_RMSNORM, ly->norm2,
+                                      (float)ly->eps2, gu, 2 * inter, 0, num_threads);
+        if (rc) return rc;
+        rc = specfleet_q_linear_fused(ly->down, ly->n_down, inter, gu, 2 * inter, T, PRE_SILU_MUL, 0, 0.0f, h, hidden,
+                                      1, num_threads);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -1,0 +1,246 @@
+"""The fused decode path of native GGUF models (csrc/q_fused.c, runtime/model.py `_forward_native`):
+each native call against a float64 reference, at every tail, and row for row the same whatever the
+number of rows in the call; the whole model against its module-by-module forward; and speculation
+still lossless through it (verification rows attend in C exactly as their decode steps do)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from specfleet.runtime import qtensor
+
+pytestmark = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")
+
+from specfleet.runtime import model as model_mod  # noqa: E402
+from specfleet.runtime.attention import SeqAttention, _attend, _native_rows  # noqa: E402
+from specfleet.runtime.qlinear import QLinear  # noqa: E402
+from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, quantize_activations  # noqa: E402
+from test_qkernels import dense64, random_blocks  # noqa: E402
+
+
+def lib():
+    return qtensor._get()
+
+
+def reference(x, parts, pre, norm_w, eps):
+    """float64: pre(x) (in float64), rounded through each part's activation int8 blocks, times the parts."""
+    k = parts[0][0].shape[1]
+    x64 = x.double()
+    if pre == PRE_RMSNORM:
+        a = norm_w.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps))
+    elif pre == PRE_SILU_MUL:
+        a = F.silu(x64[:, :k]) * x64[:, k:]
+    else:
+        a = x64
+    outs = []
+    for w, b in parts:
+        y = quantize_activations(a.float(), w.qtype).double() @ dense64(w).t()
+        outs.append(y + (b.double() if b is not None else 0))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("pre", [PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL], ids=["none", "rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("formats,k", [((T.Q4_K, T.Q6_K), 512), ((T.Q8_0, T.Q4_0, T.Q4_K), 256),
+                                       ((T.Q5_0, T.Q4_1), 96)], ids=["k", "mixed", "legacy"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["set", "add"])
+def test_fused_linear_matches_float64_and_is_row_invariant(pre, formats, k, accumulate):
+    g = torch.Generator().manual_seed(int(pre) * 7 + len(formats))
+    widths = [37, 16, 5][:len(formats)]  # chunk tails: not multiples of the 16-row chunk
+    parts = [(random_blocks(q, n, k, seed=i), torch.randn(n, generator=g) if i != 1 else None)
+             for i, (q, n) in enumerate(zip(formats, widths))]
+    lin = QLinear([w for w, _ in parts])
+    lin.parts = parts  # biases per part, one left out
+    lin._cparts = None
+    width = sum(widths)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    eps = 1e-5
+    rows = 70  # past the 64-row sweep and the 32-row parallel quantization
+    x = torch.randn(rows, 2 * k if pre == PRE_SILU_MUL else k, generator=g) * 2
+    base = torch.randn(rows, width, generator=g)
+    y = base.clone()
+    lin.fused(lib(), x, y, pre, norm_w if pre == PRE_RMSNORM else None, eps, accumulate)
+    ref = reference(x, parts, pre, norm_w, eps) + (base.double() if accumulate else 0)
+    scale = ref.abs().max().item()
+    # the activations' int8 rounding may flip at a tie between the float64 and fp32 transforms: rare,
+    # one quantum of one activation; the bulk must agree to fp32 rounding
+    close = ((y.double() - ref).abs() <= 1e-4 * scale).float().mean().item()
+    assert close > 0.99
+    assert (y.double() - ref).abs().max().item() < 2e-2 * scale
+    for m in (1, 2, 9, 33):  # each row as in the 70-row call, alone or with others
+        ys = base[:m].clone()
+        lin.fused(lib(), x[:m].contiguous(), ys, pre, norm_w if pre == PRE_RMSNORM else None, eps, accumulate)
+        assert torch.equal(ys, y[:m])
+    one = base[40:41].clone()
+    lin.fused(lib(), x[40:41].contiguous(), one, pre, norm_w if pre == PRE_RMSNORM else None, eps, accumulate)
+    assert torch.equal(one, y[40:41])
+
+
+def test_qlinear_forward_through_the_fused_call_equals_the_per_part_products():
+    parts = [random_blocks(T.Q4_K, 40, 512, seed=1), random_blocks(T.Q6_K, 24, 512, seed=2)]
+    bias = torch.randn(64)
+    lin = QLinear(parts, bias)
+    x = torch.randn(5, 512)
+    per_part = torch.cat([qtensor.qlinear(x, w, b) for w, b in lin.parts], dim=1)
+    assert torch.equal(lin(x), per_part)
+
+
+@pytest.mark.parametrize("d", [64, 128, 12])
+def test_rope_kv_equals_torch_rotary_and_writes_the_cache(d):
+    heads, kv_heads, t = 6, 2, 5
+    rot = model_mod.Rotary(d, 10000.0, 64)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    pos = torch.tensor([3, 7, 8, 20, 63])
+    slots = torch.tensor([9, 0, 4, 5, 11])
+    q = torch.empty(t, heads, d)
+    kc, vc = torch.zeros(12, kv_heads, d), torch.zeros(12, kv_heads, d)
+    lib().specfleet_rope_kv(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, d, pos.data_ptr(), rot.cos.data_ptr(),
+                            rot.sin.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr())
+    qr, kr, vr = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    assert torch.equal(q, rot(qr.reshape(t, heads, d), pos))
+    assert torch.equal(kc[slots], rot(kr.reshape(t, kv_heads, d), pos))
+    assert torch.equal(vc[slots], vr.reshape(t, kv_heads, d))
+
+
+def attend64(q, k, v, scale):
+    """float64 attention of q [H, D] over k, v [L, KVH, D]."""
+    h, kvh = q.shape[0], k.shape[1]
+    kk = k.double().repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [H, L, D]
+    vv = v.double().repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    p = torch.softmax((kk @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+    return (p.unsqueeze(1) @ vv).squeeze(1)
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 70, 300])
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 32), (14, 2, 64)])
+def test_native_attention_matches_float64(length, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(length)
+    k = torch.randn(length + 3, kv_heads, d, generator=g)
+    v = torch.randn(length + 3, kv_heads, d, generator=g)
+    q = torch.randn(2, heads, d, generator=g) * 3
+    out = _native_rows(lib(), q, k, v, [length, length + 3], kv_heads, d ** -0.5)
+    for i, n in enumerate([length, length + 3]):
+        ref = attend64(q[i], k[:n], v[:n], d ** -0.5)
+        torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_verification_rows_equal_their_decode_steps():
+    """Chain and tree rows through `_attend` with the native library: bit for bit the decode step's output
+    (a one-row call over the row's own keys, in cache order), including over a strided cache view."""
+    g = torch.Generator().manual_seed(3)
+    c, h, kvh, d = 45, 12, 2, 128
+    parents = [-1, 0, 0, 1, 2, 4]
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    cache_k = torch.randn(80, kvh, d, generator=g)
+    cache_v = torch.randn(80, kvh, d, generator=g)
+    k, v = cache_k[10:10 + c + n], cache_v[10:10 + c + n]  # a view into the cache
+    q = torch.randn(n, h, d, generator=g)
+    native = lib()
+    for new_mask in (None, mask):
+        out = _attend(q, k, v, SeqAttention(n, c, slice(None), new_mask), kvh, d ** -0.5, native)
+        for i in range(n):
+            seen = (torch.arange(i + 1) if new_mask is None else new_mask[i].nonzero().flatten())
+            upto = torch.cat([torch.arange(c), seen + c])
+            alone = _attend(q[i:i + 1], k[upto], v[upto], SeqAttention(1, len(upto) - 1, slice(None)), kvh,
+                            d ** -0.5, native)
+            assert torch.equal(out[i:i + 1], alone)
+            ref = attend64(q[i], k[upto], v[upto], d ** -0.5)
+            torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
+
+
+TINY_DIMS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def native_tiny():
+    from tiny_models import tiny_hf_model
+    from tiny_quant_models import quantized_model
+
+    return quantized_model(tiny_hf_model("qwen2", **TINY_DIMS))  # head_dim 32: C attention; Q8_0, Q4_0 v/down
+
+
+@pytest.fixture(scope="module")
+def native_draft():
+    from tiny_models import tiny_hf_model
+    from tiny_quant_models import quantized_model
+
+    noisy = tiny_hf_model("qwen2", **TINY_DIMS)
+    with torch.no_grad():  # agrees with the target only partly
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
+    return quantized_model(noisy)
+def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(native_tiny, monkeypatch):
+    from test_spec_greedy import make_engine
+
+    from specfleet.runtime.model_runner import ForwardItem
+
+    engine = make_engine(native_tiny)
+    ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
+    assert native_tiny._native_lib(torch.tensor(ids), engine.runner.kv) is not None
+
+    def logits(fused: bool):
+        monkeypatch.setattr(model_mod, "FUSED_NATIVE", fused)
+        engine.blocks.allocate("p", len(ids))
+        try:
+            prefix = engine.runner.execute([ForwardItem("p", ids[:6], 0, [5])], engine.blocks)
+            rows = engine.runner.execute([ForwardItem("p", ids[6:], 6, [0, 1, 2, 3])], engine.blocks)
+        finally:
+            engine.blocks.free("p")
+        return torch.cat([prefix, rows])
+
+    fused, modules = logits(True), logits(False)
+    scale = modules.abs().max().item()
+    assert (fused - modules).abs().max().item() < 2e-2 * scale
+    assert torch.equal(fused.argmax(-1), modules.argmax(-1))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draft, batch):
+    from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+    from tiny_models import run_to_completion
+
+    from specfleet.sampling_params import SamplingParams
+    from specfleet.spec.factory import SpecConfig, build
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = repetitive_prompts(LENGTHS[batch])
+    plain = [o.token_ids for o in run_to_completion(make_engine(native_tiny), prompts, greedy)]
+    for text in ("prompt-lookup", "ngram[min_prob=0.05,top_children=2]", "d1[width=2,nodes=6]"):
+        proposer = build(text, SpecConfig(draft_kv_cache_bytes=64 << 10), {"d1": native_draft}.__getitem__, 97)
+        engine = make_engine(native_tiny, proposer)
+        spec = [o.token_ids for o in run_to_completion(engine, prompts, greedy)]
+        assert spec == plain, text
+        assert engine.stats.num_drafted > 0
+
+
+def test_whole_stack_call_equals_the_per_layer_calls(native_tiny, monkeypatch):
+    """`specfleet_decode_layers` (one native call for every layer, decode and chain verification rows)
+    gives bit for bit the hidden states and KV cache entries of the per-layer calls."""
+    from test_spec_greedy import make_engine
+
+    from specfleet.runtime.attention import AttentionBatch
+
+    ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
+    outs = []
+    for stack in (True, False):
+        if not stack:
+            monkeypatch.setattr(model_mod, "_stack_plan", lambda *a: None)
+        engine = make_engine(native_tiny)
+        kv = engine.runner.kv
+        seqs = [SeqAttention(6, 0, slice(32, 38)), SeqAttention(1, 6, slice(32, 39)),  # prompt, decode
+                SeqAttention(3, 7, slice(32, 42))]  # a 3-row chain after 7 tokens
+        rows = [list(range(0, 6)), [6], [7, 8, 9]]
+        hidden = []
+        for seq, r in zip(seqs, rows):
+            slots = torch.arange(32 + seq.context_len, 32 + seq.context_len + seq.query_len)
+            hidden.append(native_tiny(torch.tensor([ids[i] for i in r]), torch.tensor(r), AttentionBatch(slots, [seq]), kv))
+        outs.append((torch.cat(hidden), kv.k[1][32:42].clone(), kv.v[1][32:42].clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
