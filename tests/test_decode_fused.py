@@ -207,7 +207,7 @@ def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draf
     from tiny_models import run_to_completion
 
     from specfleet.sampling_params import SamplingParams
-    from specfleet.spec.factory import SpecConfig, build
+    from specfleet.strategies.factory import SpecConfig, build
 
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = repetitive_prompts(LENGTHS[batch])
