@@ -225,6 +225,11 @@ def test_step_cost_model_measures_a_decode_step_and_the_per_row_cost():
     assert costs.decode_s == pytest.approx(0.010) and costs.row_s == pytest.approx(0.001)
     assert costs.row_cap(2.0) == 11  # 10 ms + 10 rows x 1 ms = 2 decode steps
     assert costs.row_cap(4.0) == 31
+    first_prefill = StepCostModel()  # a server whose first work is a long prompt: large steps come first
+    first_prefill.record(512, 0.010 + 511 * 0.001)
+    assert first_prefill.row_cap(2.0) is None
+    first_prefill.record(1, 0.010)
+    assert first_prefill.row_cap(2.0) == 11
 
 
 def test_mixed_steps_stay_under_the_row_cap_and_a_lone_prompt_does_not(target, monkeypatch):
