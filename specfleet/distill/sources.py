@@ -7,15 +7,13 @@ Checkpoint folders (for example a distilled draft) load at the requested dtype.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specfleet.core.model_ref import ModelRef
-from specfleet.errors import SpecfleetError
 from specfleet.models.registry import resolve_model
-from specfleet.runtime.build import build_model
+from specfleet.runtime.load import build_from_checkpoint
 from specfleet.runtime.loader import Checkpoint, converted_folder, load_checkpoint
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
@@ -46,14 +44,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str = "cpu"
     tokenizer folder; the checkpoint's weight dict is dropped."""
     base, depth = split_depth(name)
     ckpt = load_source(base, dtype)
-    cfg = ckpt.config
-    if depth is not None:
-        if depth > cfg.num_layers:
-            raise SpecfleetError(f"{base} has {cfg.num_layers} layers; cannot keep {depth}")
-        cfg = replace(cfg, num_layers=depth)
-    model = build_model(cfg, ckpt.weights, dtype, torch.device(device))
-    ckpt.weights = {}
-    return model, ckpt
+    return build_from_checkpoint(ckpt, base, depth, dtype, torch.device(device)), ckpt
 
 
 def load_tokenizer(tokenizer_dir: Path):

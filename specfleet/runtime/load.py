@@ -34,13 +34,7 @@ def load_model(name_or_path: str | ModelRef, dtype: torch.dtype, device: torch.d
         dtype = torch.float32  # activations of the block-format kernels
     else:
         ckpt = load_checkpoint(path, dtype)
-    cfg = ckpt.config
-    if num_layers is not None:
-        if num_layers > cfg.num_layers:
-            raise InvalidRequestError(f"{name_or_path} has {cfg.num_layers} layers; cannot keep {num_layers}")
-        cfg = replace(cfg, num_layers=num_layers)
-    model = build_model(cfg, ckpt.weights, dtype, device)
-    del ckpt.weights
+    model = build_from_checkpoint(ckpt, name_or_path, num_layers, dtype, device)
     if mode in BLOCK_FORMATS:
         model.quantization = mode
     quantize_model(model, mode)
@@ -50,3 +44,17 @@ def load_model(name_or_path: str | ModelRef, dtype: torch.dtype, device: torch.d
 
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir), local_files_only=True)
     return model, tokenizer
+
+
+def build_from_checkpoint(ckpt, name: str, num_layers: int | None, dtype: torch.dtype,
+                          device: torch.device) -> "torch.nn.Module":
+    """The runtime model of a loaded checkpoint, cut to its first `num_layers` layers if given; the
+    checkpoint's weight dict is emptied (the model holds the tensors now)."""
+    cfg = ckpt.config
+    if num_layers is not None:
+        if num_layers > cfg.num_layers:
+            raise InvalidRequestError(f"{name} has {cfg.num_layers} layers; cannot keep {num_layers}")
+        cfg = replace(cfg, num_layers=num_layers)
+    model = build_model(cfg, ckpt.weights, dtype, device)
+    ckpt.weights = {}
+    return model
