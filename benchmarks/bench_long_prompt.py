@@ -131,8 +131,12 @@ def main() -> None:
                     help="mixed_step_factor values to run (a) with, side by side ('none' turns the cap off)")
     ap.add_argument("--shared-budgets", type=int, nargs="*", default=None,
                     help="budgets to run (a) with (default: --budget); a smaller one trades prefill speed for latency")
+    ap.add_argument("--quantization", default="auto",
+                    help="weights as load_model takes them: auto (a GGUF file's own block formats on the CPU), none (dense fp32), q4_0, ...")
     args = ap.parse_args()
-    model, _ = load_model(args.model, torch.float32, torch.device("cpu"), with_tokenizer=False)
+    model, _ = load_model(args.model, torch.float32, torch.device("cpu"), with_tokenizer=False,
+                          quantization=args.quantization)
+    weights = getattr(model, "quantization", None) or "dense fp32"
     ttft_idle(make_engine(model, args.budget, args.draft), random_prompt(600, 0))  # warm-up: kernels, both paths
     rows_a, summaries = [], []
     factors = [None if f.lower() == "none" else float(f) for f in args.mixed_step_factors]
@@ -150,20 +154,20 @@ def main() -> None:
     rows_b = prefill_throughput(model, args.prefill_tokens, args.budget, args.rounds)
     payload = {"args": vars(args), "shared_prefill": {"requests": rows_a, "summaries": summaries},
                "prefill": rows_b}
-    body = (f"`{args.model}` in fp32 on the CPU{', prompt-lookup draft' if args.draft else ''}. If the machine "
+    body = (f"`{args.model}` ({weights} weights, fp32 activations) on the CPU{', prompt-lookup draft' if args.draft else ''}. If the machine "
             "was shared while this ran, compare figures within this report only (ratios), not across reports.\n\n"
-            f"(a) A stream decodes; a {args.long_tokens}-token prompt arrives; {args.num_short} short requests "
-            f"arrive every {args.short_every} s during its prefill:\n\n"
-            + md_table(summaries, ["budget", "max_num_prefills", "mixed_step_factor", "long_prefill_s", "engine_steps",
-                                   "stream_tokens_during_long_prefill", "stream_tok_s_during_long_prefill",
-                                   "max_ttft_ratio"]) + "\n\n"
-            + md_table(rows_a, ["budget", "max_num_prefills", "mixed_step_factor", "request", "prompt_tokens", "ttft_idle_s",
-                                "ttft_during_long_prefill_s",
-                                "ratio", "answered_before_long_prefill_done"])
-            + f"\n\n(b) Prefill throughput, one prompt on an idle engine, budget {args.budget}, each step's best of "
+            + (f"(a) A stream decodes; a {args.long_tokens}-token prompt arrives; {args.num_short} short requests "
+               f"arrive every {args.short_every} s during its prefill:\n\n"
+               + md_table(summaries, ["budget", "max_num_prefills", "mixed_step_factor", "long_prefill_s", "engine_steps",
+                                      "stream_tokens_during_long_prefill", "stream_tok_s_during_long_prefill",
+                                      "max_ttft_ratio"]) + "\n\n"
+               + md_table(rows_a, ["budget", "max_num_prefills", "mixed_step_factor", "request", "prompt_tokens",
+                                   "ttft_idle_s", "ttft_during_long_prefill_s", "ratio",
+                                   "answered_before_long_prefill_done"]) + "\n\n" if rows_a else "")
+            + f"(b) Prefill throughput, one prompt on an idle engine, budget {args.budget}, each step's best of "
             f"{args.rounds} rounds:\n\n"
             + md_table(rows_b, ["prompt_tokens", "prefill_s", "tok_s", "vs_first"]))
-    print(write_results("long_prompt", payload, body, device="cpu", dtype="float32"))
+    print(write_results("long_prompt", payload, body, device="cpu", dtype="float32" if weights == "dense fp32" else f"{weights} weights, fp32 activations"))
 
 
 if __name__ == "__main__":
