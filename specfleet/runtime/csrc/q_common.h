@@ -19,6 +19,9 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 8 /* activation rows multiplied by each unpacked weight row at once */
+#ifndef PF_ROWS
+#define PF_ROWS 4 /* weight rows prefetched ahead (0: none) */
+#endif
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
 
@@ -27,7 +30,10 @@ typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B
 
 /* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
  * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate
- * (a residual add fused into the product). The epilogue is the same whatever M is. */
+ * (a residual add fused into the product). The epilogue is the same whatever M is. The weight row
+ * PF_ROWS ahead (in the same chunk) is prefetched while a row is multiplied: with the hardware
+ * prefetcher alone the 0.5B's 146 MB output head (one row of activations) read at about 13 GB/s of
+ * the machine's ~20; prefetching makes it 8-15 % faster. Prefetches change no result. */
 typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,
                         int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,
                         const float *bias, int accumulate);
@@ -51,6 +57,10 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+}
+
 #define ACC_INIT(R)                                             \
     __m256 acc[TILE];                                              \
     float cacc[TILE];                                              \
@@ -68,6 +78,7 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
             float *yr = y + c0 * ldy;                                                             \
             for (int64_t n = n0; n < n1; n++) {                                                   \
                 float v;                                                                          \
+                if (PF_ROWS > 0 && n + PF_ROWS < n1) prefetch_row(W + (n + PF_ROWS) * row_bytes, row_bytes);  \
                 FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
                 if (bias) v += bias[n];                                                           \
                 yr[n] = accumulate ? yr[n] + v : v;                                               \
@@ -76,6 +87,7 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
         }                                                                                         \
         for (int64_t n = n0; n < n1; n++) {                                                       \
             const uint8_t *wrow = W + n * row_bytes;                                              \
+            if (PF_ROWS > 0 && c0 == 0 && n + PF_ROWS < n1) prefetch_row(W + (n + PF_ROWS) * row_bytes, row_bytes); \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
