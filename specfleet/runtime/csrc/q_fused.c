@@ -27,7 +27,9 @@
 #define FXCHUNK 64        /* activation rows swept per weight row before moving on */
 #define FQUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread */
 #define MAX_PARTS 8
+#ifndef ATTEND_PAR_WORK
 #define ATTEND_PAR_WORK (1 << 20) /* multiply-adds from which attention forks threads */
+#endif
 
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
 
