@@ -28,18 +28,27 @@ CHILD = r"""
 import json, sys, time
 from specfleet import LLM, SamplingParams
 from specfleet.bench.datasets import iter_prompts, select
-model, draft, n, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model, draft, n, tokens, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 prompts = [p.text for p in select(iter_prompts("humaneval")[0], n)]
 llm = LLM(model, None if draft == "none" else draft)
 params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+if count:  # Python function calls of the same generation (cProfile), instead of timing it
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    prof.enable()
 outs, new, t0 = [], 0, time.perf_counter()
 for p in prompts:
     (o,) = llm.generate([p], params)
     outs.append(o.token_ids)
     new += len(o.token_ids)
 dt = time.perf_counter() - t0
-print("RESULT " + json.dumps({"tok_s": new / dt, "seconds": dt, "tokens": new, "outputs": outs}))
+res = {"tok_s": new / dt, "seconds": dt, "tokens": new, "outputs": outs}
+if count:
+    prof.disable()
+    st = pstats.Stats(prof)
+    res["calls"] = {f"{f[0].split('/specfleet/')[-1]}:{f[2]}": v[1] for f, v in st.stats.items()}
+print("RESULT " + json.dumps(res))
 """
 
 
@@ -50,9 +59,9 @@ def worktree(rev: str, where: Path) -> Path:
     return path
 
 
-def measure(tree: Path, model: str, draft: str, n: int, tokens: int) -> dict:
+def measure(tree: Path, model: str, draft: str, n: int, tokens: int, count_calls: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_WAIT_POLICY="passive")  # fair to whatever else runs
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, draft, str(n), str(tokens)], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, draft, str(n), str(tokens), str(int(count_calls))], env=env,
                           capture_output=True, text=True, cwd=str(tree))
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
@@ -69,6 +78,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--count-calls", action="store_true",
+                    help="after the timed rounds, one profiled run per revision and draft: Python function calls "
+                         "per generated token and the functions whose call counts differ most (timing-free evidence)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from specfleet.bench.report import write_results
@@ -90,6 +102,8 @@ def main() -> None:
                         runs[d][k].append(res["tok_s"])
                         outputs[d][k] = res["outputs"]
                         print(f"round {r + 1} {d:>32} {k} ({shas[k]}): {res['tok_s']:.2f} tok/s", flush=True)
+            calls: dict = {d: {k: measure(trees[k], args.model, d, args.prompts, args.tokens, True)
+                               for k in revs} for d in drafts} if args.count_calls else {}
         finally:
             for t in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(t)], capture_output=True)
@@ -105,6 +119,22 @@ def main() -> None:
             f"{args.rounds} rounds in alternating order; medians of tok/s (warm-up excluded).\n\n"
             f"| draft | base {shas['base']} tok/s | head {shas['head']} tok/s | head/base | same tokens |\n"
             f"|---|---|---|---|---|\n" + "\n".join(rows))
+    if calls:
+        crow = []
+        for d in drafts:
+            per = {k: calls[d][k]["calls"] for k in revs}
+            tot = {k: sum(per[k].values()) / calls[d][k]["tokens"] for k in revs}
+            diff = sorted(set(per["base"]) | set(per["head"]),
+                          key=lambda f: -abs(per["head"].get(f, 0) - per["base"].get(f, 0)))[:8]
+            payload["drafts"][d]["calls_per_token"] = tot
+            payload["drafts"][d]["calls_changed"] = {f: [per["base"].get(f, 0), per["head"].get(f, 0)] for f in diff}
+            changed = "; ".join(f"`{f}` {per['base'].get(f, 0)} -> {per['head'].get(f, 0)}" for f in diff[:5]
+                                if per["base"].get(f, 0) != per["head"].get(f, 0))
+            crow.append(f"| {d} | {tot['base']:.0f} | {tot['head']:.0f} | {tot['head'] / tot['base']:.3f} | {changed or '-'} |")
+        body += ("\n\nPython function calls per generated token (one profiled run per revision, not timed): the "
+                 "same work per token means a tok/s difference between the revisions is the machine's, not the "
+                 "code's.\n\n| draft | base calls/token | head calls/token | head/base | largest changes (base -> head, "
+                 "whole run) |\n|---|---|---|---|---|\n" + "\n".join(crow))
     print(body)
     path = write_results("revisions", payload, body, "cpu", "auto (native GGUF on CPU)")
     print(f"wrote {path}")
