@@ -276,13 +276,13 @@ def test_missing_tensor_in_gguf(tmp_path):
 
 def test_unsupported_arch_in_gguf(tmp_path):
     path = tmp_path / "gemma.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), "gemma2")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match=r"gemma\.gguf.*'gemma3'"):
+    with pytest.raises(UnsupportedModelError, match=r"gemma\.gguf.*'gemma2'"):
         load_checkpoint(path)
 
 

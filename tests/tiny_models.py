@@ -10,10 +10,18 @@ from specfleet.runtime.model_config import ModelConfig
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
+# Gemma-3: a window of 5 keys, far shorter than the test contexts; sliding and global layers with
+# different rotary bases; an attention scale other than head_dim ** -0.5; four heads on two KV heads
+GEMMA3 = dict(num_hidden_layers=4, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+              tie_word_embeddings=True, attn_implementation="eager")
+
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
-    kw = {**TINY, **overrides}
+    kw = {**TINY, **(GEMMA3 if arch == "gemma3" else {}), **overrides}
     if arch == "llama":
         cfg = transformers.LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0, **kw)
         model = transformers.LlamaForCausalLM(cfg)
@@ -23,6 +31,9 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrai
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=16, **kw)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**kw)
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # random init leaves biases and norms at trivial values; perturb them so the test sees them

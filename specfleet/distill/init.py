@@ -58,6 +58,9 @@ def make_spec(target: ModelConfig, source: ModelConfig | None, init_from: str, n
     """The student's architecture: the source's where widths match, otherwise derived from the target's."""
     if num_layers < 1:
         raise SpecfleetError(f"--layers must be at least 1, got {num_layers}")
+    if any(c is not None and c.is_gemma3 for c in (target, source)):
+        raise SpecfleetError("distilling with a Gemma-3 target or source is not supported: the student's "
+                             "training forward (distill/student.py) is the Llama/Qwen layer")
     if source is not None and source.vocab_size != target.vocab_size:
         raise SpecfleetError(f"--init-from model has a vocabulary of {source.vocab_size} tokens, the target "
                              f"{target.vocab_size}: the draft must share the target's tokenizer")

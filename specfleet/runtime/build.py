@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.model import DecoderLM, Rotary
+from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -40,5 +40,5 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     model.install_quantized(weights)  # GGUF-format weights replace their layers before anything is allocated
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+    model.init_rotary(device)
     return model.eval().requires_grad_(False)

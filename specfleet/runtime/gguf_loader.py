@@ -7,6 +7,13 @@ and every later load reads that folder. This module knows the GGUF specifics:
 - tensor names (`blk.3.attn_q.weight`) -> HF names (`model.layers.3.self_attn.q_proj.weight`);
 - llama.cpp's converter permutes the rows of q_proj/k_proj for the `llama` arch (it rotates
   interleaved pairs, HF rotates halves); we undo that so the HF forward pass applies unchanged.
+- `gemma3`: llama.cpp stores every RMSNorm weight with the 1 of Gemma's (1 + weight) already added
+  (convert_hf_to_gguf.py's Gemma models shift `*norm.weight` by 1); we subtract it again, so the
+  weights are Hugging Face's and the converted folder loads in transformers too. Its `ffn_norm` is
+  the MLP's input norm, which HF calls `pre_feedforward_layernorm` (Llama's `post_attention_layernorm`).
+  What the file does not say is taken as llama.cpp takes it: every 6th layer global, the others with
+  a sliding window and rotary base 10000, attention scaled by head_dim ** -0.5 (the 27B model:
+  (hidden / heads) ** -0.5).
 """
 from __future__ import annotations
 
@@ -23,8 +30,8 @@ from specfleet.runtime.model_config import ModelConfig
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-# Only these GGUF archs share the HF llama/qwen2/qwen3 layout our forward pass implements.
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# The GGUF archs our forward pass implements: the HF llama/qwen2/qwen3 layout, and Gemma-3's text model.
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # Archs whose q/k rows llama.cpp permuted on conversion (convert_hf_to_gguf.py, LlamaModel.permute).
 _PERMUTED_ARCHS = ("llama",)
 
@@ -46,7 +53,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma-3's four norms per layer (llama.cpp's names -> HF's Gemma3DecoderLayer names)
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# archs whose norm weights llama.cpp stored as 1 + weight
+_NORM_SHIFTED_ARCHS = ("gemma3",)
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -97,7 +113,7 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
             f"{path}: GGUF architecture {arch!r} is not supported; specfleet supports {list(GGUF_ARCHS)}"
         )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise UnsupportedModelError(f"{path}: rope scaling {scaling!r} is not supported")
 
     def need(key: str) -> Any:
@@ -138,17 +154,52 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids,
     }
-    return ModelConfig.from_hf_dict(hf)
+    if arch == "gemma3":
+        hf |= _gemma3_metadata(reader, path, hf, need)
+    try:
+        return ModelConfig.from_hf_dict(hf)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from e
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name, or None if the name is not one we know."""
+def _gemma3_metadata(reader: GGUFReader, path: Path, hf: dict, need) -> dict:
+    """Gemma3TextConfig fields from a gemma3 GGUF (see the module doc for the values it leaves out)."""
+    arch = "gemma3"
+    num_layers = hf["num_hidden_layers"]
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: true = sliding window
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{path}: sliding_window_pattern names {len(pattern)} layers, the model has "
+                                 f"{num_layers}")
+        sliding = [bool(x) for x in pattern]
+    else:  # every `pattern`-th layer global (llama.cpp's set_swa_pattern; 0: every layer sliding)
+        sliding = [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    extra = {
+        "model_type": "gemma3_text",
+        "sliding_window": int(need("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
+        "rope_local_base_freq": float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": (hf["hidden_size"] // hf["num_attention_heads"] if num_layers == 62
+                                  else hf["head_dim"]),
+        "hidden_activation": "gelu_pytorch_tanh",
+        # soft-capping (Gemma-2's) is not implemented: a file that sets it is refused by ModelConfig
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping") or None,
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping") or None,
+    }
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    return extra
+
+
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """HF parameter name for a GGUF tensor name of `arch`, or None if the name is not one we know."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -180,12 +231,12 @@ def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
 
 
 def _tensors(reader: GGUFReader, config: ModelConfig, path: Path, desc: str, delay: float):
-    """(tensor, HF name, heads whose q/k rows llama.cpp permuted or None) for every tensor, with a
-    progress bar over them (shown once `delay` seconds have passed)."""
+    """(tensor, HF name, heads whose q/k rows llama.cpp permuted or None, offset to add to the values) for
+    every tensor, with a progress bar over them (shown once `delay` seconds have passed)."""
     from tqdm import tqdm
 
     for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", delay=delay, leave=False):
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config.arch)
         if name is None:
             raise UnsupportedModelError(
                 f"{path}: tensor {tensor.name!r} has no counterpart in specfleet's {config.arch} model "
@@ -196,14 +247,18 @@ def _tensors(reader: GGUFReader, config: ModelConfig, path: Path, desc: str, del
             heads = config.num_heads
         elif config.arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
-        yield tensor, name, heads
+        offset = -1.0 if config.arch in _NORM_SHIFTED_ARCHS and name.endswith("norm.weight") else 0.0
+        yield tensor, name, heads, offset
 
 
-def _dense(tensor: ReaderTensor, path: Path, heads: int | None) -> torch.Tensor:
-    """The tensor dequantized to float32 in HF layout (a writable copy, never a view of the file)."""
+def _dense(tensor: ReaderTensor, path: Path, heads: int | None, offset: float = 0.0) -> torch.Tensor:
+    """The tensor dequantized to float32 in HF layout (a writable copy, never a view of the file), plus
+    `offset` (llama.cpp's +1 on Gemma's norms taken back)."""
     w = _dequantize(tensor, path)
     if heads is not None:
         w = unpermute_qk(w, heads)
+    if offset:
+        w = w.astype(np.float32) + np.float32(offset)
     if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
         w = w.copy()
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
@@ -219,8 +274,8 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     reader = open_gguf(path)
     config = config_from_metadata(reader, path)
     weights: dict[str, torch.Tensor] = {}
-    for tensor, name, heads in _tensors(reader, config, path, f"converting {path.name}", 0.0):
-        weights[name] = _dense(tensor, path, heads).to(dtype)
+    for tensor, name, heads, offset in _tensors(reader, config, path, f"converting {path.name}", 0.0):
+        weights[name] = _dense(tensor, path, heads, offset).to(dtype)
     return config, weights
 
 
@@ -261,10 +316,10 @@ def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, A
     config = config_from_metadata(reader, path)
     weights: dict[str, Any] = {}
     dense_types = ("F32", "F16", "BF16")
-    for tensor, name, heads in _tensors(reader, config, path, f"loading {path.name}", 3.0):
+    for tensor, name, heads, offset in _tensors(reader, config, path, f"loading {path.name}", 3.0):
         kind = tensor.tensor_type
-        if len(tensor.shape) != 2 or (kind.name in dense_types and kind not in qtensor.SUPPORTED_TYPES):
-            weights[name] = _dense(tensor, path, heads)
+        if len(tensor.shape) != 2 or offset or (kind.name in dense_types and kind not in qtensor.SUPPORTED_TYPES):
+            weights[name] = _dense(tensor, path, heads, offset)
         elif requant is not None:
             weights[name] = requantize(_dense(tensor, path, heads), requant)
         elif kind in qtensor.SUPPORTED_TYPES:

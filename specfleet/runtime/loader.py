@@ -156,6 +156,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if c.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.is_gemma3:  # norms before and after the MLP (post_attention_layernorm is the attention output's)
+            shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,),
+                       p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
     return shapes
 
 

@@ -1,9 +1,18 @@
-"""The project's own forward pass for Llama-family decoder-only models (Llama/SmolLM2, Qwen2, Qwen3).
+"""The project's own forward pass for Llama-family decoder-only models (Llama/SmolLM2, Qwen2, Qwen3)
+and Gemma-3.
 
 Weights keep their Hugging Face names at load time; q/k/v and gate/up projections are fused into
 one matmul each, which matters on the CPU where per-call overhead is a visible share of a decode step.
 Numerics follow the reference implementation (RMSNorm in fp32, rotary tables cast to the activation
 dtype) so fp32 logits agree with transformers to rounding.
+
+Gemma-3 on the same modules (`ModelConfig.is_gemma3`): embeddings times sqrt(hidden_size); RMSNorm
+scaling by (1 + weight), the product taken in fp32 before the cast; q/k RMSNorm per head; a norm on the
+attention output and on the MLP output before each residual add (`post_attention_layernorm` is that
+first one in Gemma's naming, and `pre_feedforward_layernorm` the MLP's input norm); a GELU (tanh)
+gated MLP; attention scaled by query_pre_attn_scalar ** -0.5; sliding-window layers (keys older than
+the window masked, runtime/attention.py) with their own rotary base, interleaved with global layers
+(whose rotary may scale positions linearly).
 """
 from __future__ import annotations
 
@@ -66,24 +75,34 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama's RMSNorm (weight * normalized x, the product in the activation dtype) or, with
+    `unit_offset`, Gemma's ((1 + weight) * normalized x, the product in fp32; the weight is stored as
+    Hugging Face stores it, without the 1)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (positions of tree nodes are depths)."""
+    """Precomputed cos/sin tables indexed by absolute position (positions of tree nodes are depths).
+    `scaling` > 1 is linear position scaling (position / scaling), as Gemma-3's global layers use."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: float = 1.0):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling != 1.0:
+            inv_freq = inv_freq / scaling
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -97,17 +116,29 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+def make_rotaries(cfg: ModelConfig) -> tuple[Rotary, Rotary | None]:
+    """The model's rotary tables: the full-attention layers' and, when the sliding-window layers use
+    another one (Gemma-3), theirs (else None)."""
+    full = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling_factor)
+    if not any(cfg.layer_window(i) for i in range(cfg.num_layers)):
+        return full, None
+    theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    return full, Rotary(cfg.head_dim, theta, cfg.max_position_embeddings)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        gemma = cfg.is_gemma3
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, gemma) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(index)  # a sliding-window layer's window, else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -121,7 +152,7 @@ class Attention(nn.Module):
         q, k = rotary(q, positions), rotary(k, positions)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        o = paged_attention(q, k_cache, v_cache, batch, self.scale)
+        o = paged_attention(q, k_cache, v_cache, batch, self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -130,19 +161,27 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Llama/Qwen: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
+    Gemma-3 (four norms, Hugging Face's names): h += post_attention_layernorm(attn(input_layernorm(h)));
+    h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        gemma = cfg.is_gemma3
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
         self.mlp = MLP(cfg)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True) if gemma else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True) if gemma else None
 
 
 class DecoderLM(nn.Module):
@@ -150,10 +189,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_gemma3)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary, self.rotary_local = make_rotaries(cfg)  # rotary_local: the sliding layers' (Gemma-3)
         self.head_q = None  # an int8 head after runtime.quant.quantize_model
         self.quantization: str | None = None
 
@@ -164,19 +203,34 @@ class DecoderLM(nn.Module):
         if lib is not None:
             return self._forward_native(lib, input_ids, positions, batch, kv)
         h = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # Gemma: the factor in the activation dtype, as transformers does
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            rotary = self.rotary_local if attn.window is not None and self.rotary_local is not None else self.rotary
             residual = h
-            h = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, batch, kv.k[i], kv.v[i])
-            h = residual + h
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            h = attn(layer.input_layernorm(h), positions, rotary, batch, kv.k[i], kv.v[i])
+            if layer.pre_feedforward_layernorm is None:
+                h = residual + h
+                residual = h
+                h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            else:  # Gemma-3: norms on the attention and MLP outputs too
+                h = residual + layer.post_attention_layernorm(h)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         return self.norm(h)
+
+    def init_rotary(self, device: torch.device | str) -> None:
+        """Build the rotary tables (non-persistent buffers: a model made on the meta device, or from a
+        state dict, has none yet) in fp32 on `device`."""
+        self.rotary, self.rotary_local = (r if r is None else r.to(device) for r in make_rotaries(self.config))
 
     def _native_lib(self, input_ids: torch.Tensor, kv: KVCache):
         """The native library when this model can run `_forward_native` (every linear layer of every
         decoder layer a QLinear wholly in block formats, no q/k norm, fp32 CPU KV cache), else None.
         Whether it can is a property of the model, so every step of a request (decode, verification,
         prefill) takes the same path."""
+        if self.config.is_gemma3:  # the native layers compute a Llama/Qwen layer only
+            return None
         k0 = kv.k[0]
         if input_ids.device.type != "cpu" or k0.dtype != torch.float32 or k0.device.type != "cpu" or not all(
                 c.is_contiguous() for c in (k0, kv.v[0])):
@@ -381,6 +435,9 @@ class DecoderLM(nn.Module):
                 put(f"layers.{i}.mlp.down_proj.weight", take(m + "down_proj.weight"))
             put(f"layers.{i}.input_layernorm.weight", take(p + "input_layernorm.weight"))
             put(f"layers.{i}.post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"))
+            if layer.pre_feedforward_layernorm is not None:
+                put(f"layers.{i}.pre_feedforward_layernorm.weight", take(p + "pre_feedforward_layernorm.weight"))
+                put(f"layers.{i}.post_feedforward_layernorm.weight", take(p + "post_feedforward_layernorm.weight"))
         missing = set(dict(self.named_parameters())) - loaded
         if missing:
             raise ModelLoadError(f"parameters not covered by the checkpoint: {sorted(missing)[:5]}")
