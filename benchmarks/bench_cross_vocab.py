@@ -5,7 +5,7 @@ A Qwen target (default qwen-0.5b) with SmolLM2-135M-Instruct as cross-vocabulary
 loaded by default (GGUF files run natively on the CPU). Per prompt the systems run in a rotating order,
 so drift on a shared machine falls on each alike. Prints per system: acceptance rate, mean accepted
 length, tok/s (new tokens over the generate call's wall time, prefill included), and whether every
-output equals plain greedy.
+output equals plain greedy; writes benchmarks/results/cross_vocab-cpu-<time>.json and .md.
 
     python benchmarks/bench_cross_vocab.py [--target qwen-0.5b] [--drafts "SPEC;SPEC"]
                                            [--prompts 4] [--tokens 40] [--threads 2]
@@ -19,6 +19,7 @@ import torch
 
 from specfleet import LLM, SamplingParams
 from specfleet.bench.datasets import iter_prompts, select
+from specfleet.bench.report import md_table, write_results
 
 
 def timed(obj, attr: str, totals: dict, fn, key: str | None = None) -> None:
@@ -81,6 +82,7 @@ def main() -> None:
     print(f"{'system':28s} {'accept':>7s} {'mean acc len':>12s} {'tok/s':>7s} {'speed-up':>8s} {'draft s':>8s} "
           f"{'text s':>7s} equal-to-plain")
     base_rate = stats["plain"]["tokens"] / stats["plain"]["seconds"]
+    rows = []
     for name, s in stats.items():
         rate = s["tokens"] / s["seconds"]
         acc = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
@@ -89,6 +91,18 @@ def main() -> None:
         text_s = t["propose"] - t["model"] if t["model"] else 0.0
         print(f"{name:28s} {acc:7.3f} {mal:12.2f} {rate:7.2f} {rate / base_rate:8.2f} {t['propose']:8.2f} "
               f"{text_s:7.3f} {s['outputs'] == plain}")
+        rows.append({"system": name, "acceptance": round(acc, 3), "mean_accepted_length": round(mal, 2),
+                     "tok_s": round(rate, 2), "speed_up": round(rate / base_rate, 2),
+                     "draft_s": round(t["propose"], 2), "text_align_s": round(text_s, 3),
+                     "seconds": round(s["seconds"], 2), "equal_to_plain": s["outputs"] == plain})
+    body = (f"Target `{args.target}` ({args.dtype} activations; GGUF weights as loaded by default), the first "
+            f"{args.prompts} HumanEval prompts x {args.tokens} new tokens, greedy, batch 1, {args.threads} threads, "
+            "systems in a rotating order per prompt. tok/s counts the generate call's wall time (prefill "
+            "included); draft_s is the time inside the proposer, text_align_s the part of it outside the draft "
+            "model (text alignment across tokenizers).\n\n"
+            + md_table(rows, ["system", "acceptance", "mean_accepted_length", "tok_s", "speed_up", "draft_s",
+                              "text_align_s", "equal_to_plain"]))
+    print(write_results("cross_vocab", {"args": vars(args), "systems": rows}, body, device="cpu", dtype=args.dtype))
 
 
 if __name__ == "__main__":
