@@ -173,3 +173,30 @@ def test_chain_draft_keeps_its_accepted_kv(target, draft):
             # after a first-token rejection, 2 otherwise (before, it was the accepted count + 1)
             assert set(catch_ups[1:]) == {1, 2}
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # released at the end
+
+
+def test_tree_draft_nodes_take_the_rotary_positions_of_chain_tokens(target, draft):
+    """A draft token at depth d (the d-th after the committed ones) sits at rotary position
+    num_tokens + d - 1 whether the draft is a chain or a tree: the tree's levels once ran one
+    position ahead, which only cost acceptance, so no output test could see it."""
+    prompt = random_prompts([11], seed=3)[0]
+    small = 64 << 10
+    seen = {}
+    for kind, cfg in (("chain", DraftModelConfig(3, kv_cache_bytes=small)),
+                      ("tree", DraftModelConfig(3, top_children=2, max_nodes=8, kv_cache_bytes=small))):
+        proposer = DraftModelProposer(draft, "draft", cfg)
+        inner, items = proposer.forward, []
+        proposer.forward = lambda batch, inner=inner, items=items: items.extend(batch) or inner(batch)
+        engine = make_engine(target, proposer)
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()  # prefill + the first token
+        items.clear()
+        engine.step()  # one speculative step: the draft catches up, then drafts 3 levels
+        # positions of the draft tokens fed after the catch-up forward, level by level
+        catch_up = items[0]  # the committed tokens the draft had not seen yet
+        num_tokens = catch_up.context_len + len(catch_up.token_ids)
+        # positions of the draft tokens fed after it, level by level, counted from the committed tokens
+        seen[kind] = [sorted({p - num_tokens for p in (it.positions if it.positions is not None else
+                              range(it.context_len, it.context_len + len(it.token_ids)))}) for it in items[1:]]
+    assert seen["chain"] == [[0], [1]]  # depth 1 at num_tokens, depth 2 right after
+    assert seen["tree"] == seen["chain"]

@@ -249,7 +249,8 @@ class DraftModelProposer:
             for i in range(n_new):
                 for a in paths[first_new + i]:
                     mask[i, (base + a) if a < first_new else (ctx + i)] = True
-            positions = [base + len(paths[first_new + i]) for i in range(n_new)]
+            # a depth-d node is the d-th token after the committed ones: position base + d - 1, as in a chain
+            positions = [base + len(paths[first_new + i]) - 1 for i in range(n_new)]
             out = self.forward([ForwardItem(rid, tokens[first_new:], ctx, list(range(n_new)), positions, mask)])
             frontier = [(first_new + i, scores[first_new + i], torch.log_softmax(out[i], -1)) for i in range(n_new)]
         # keep the best max_nodes nodes; shallower first on ties so ancestors always survive

@@ -23,7 +23,7 @@ class ForwardItem:
     """One request's share of a forward pass.
 
     The new tokens occupy KV layout indices [context_len, context_len + n). Their rotary positions
-    default to the same indices; a draft tree passes `positions` = context_len + depth instead,
+    default to the same indices; a draft tree passes each node's own (committed tokens + depth - 1) instead,
     because siblings sit side by side in the layout but share a position.
     """
 
