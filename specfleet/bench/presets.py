@@ -150,6 +150,24 @@ def _fleet_part(name: str, dataset: str, temperature: float) -> RunConfig:
                      batch_sizes=(1,), quantization="gguf", rounds=2)
 
 
+# issue 16: drafts from other model families (through text) beside the same-vocabulary ones, and SPIN's
+# selector over all of them against its best member
+_CROSS_SELECT = "select(qwen-0.5b,smollm2-135m-instruct,gemma-3-270m,suffix,prompt-lookup)"
+_CROSS_SYSTEMS = ("specfleet:none", "specfleet:smollm2-135m-instruct", "specfleet:gemma-3-270m", "specfleet:qwen-0.5b",
+                  "specfleet:suffix", "specfleet:prompt-lookup", f"specfleet:{_CROSS_SELECT}")
+
+
+def _cross_part() -> RunConfig:
+    return RunConfig(name="humaneval-cross", systems=_CROSS_SYSTEMS, dataset="humaneval", num_prompts=10,
+                     max_prompt_tokens=512, max_tokens=96, batch_sizes=(1,), quantization="gguf", rounds=2)
+
+
+def _cross_checks() -> tuple[Check, ...]:
+    return tuple(Check(f"humaneval-cross: the selector vs {m.split(':', 1)[1]} (reported)", "humaneval-cross",
+                       (f"specfleet:{_CROSS_SELECT}", 1), (m, 1), "throughput_tok_s", 0.0)
+                 for m in _CROSS_SYSTEMS[:-1])
+
+
 def _fleet_checks(part: str, floor: float) -> tuple[Check, ...]:
     fleet = (f"specfleet:{FLEET}", 1)
     checks = [Check(f"{part}: the fleet >= {floor}x native autoregressive", part, fleet, ("specfleet:none", 1),
@@ -246,11 +264,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("fleet", "issue 15: the default fleet against native plain decoding, each single draft (0.5B native, "
            "0.5B requantized to 4 bits, suffix, prompt lookup) and llama.cpp on the same file: 10 HumanEval prompts "
            "and 10 ShareGPT first turns (chat template), 96 new tokens, greedy and temperature 0.7 / top-p 0.9, "
-           "batch 1, two rounds in alternating order",
+           "batch 1, two rounds in alternating order; a fifth part (humaneval-cross) puts the drafts of other model "
+           "families (SmolLM2-135M, Gemma-3-270M, through text) and a selector over them beside the same-vocabulary ones",
            (_fleet_part("humaneval", "humaneval", 0.0), _fleet_part("sharegpt", "sharegpt", 0.0),
-            _fleet_part("humaneval-t0.7", "humaneval", 0.7), _fleet_part("sharegpt-t0.7", "sharegpt", 0.7)),
+            _fleet_part("humaneval-t0.7", "humaneval", 0.7), _fleet_part("sharegpt-t0.7", "sharegpt", 0.7),
+            _cross_part()),
            _fleet_checks("humaneval", 1.8) + _fleet_checks("sharegpt", 1.3) + _fleet_checks("humaneval-t0.7", 1.3)
-           + _fleet_checks("sharegpt-t0.7", 0.97)
+           + _fleet_checks("sharegpt-t0.7", 0.97) + _cross_checks()
            + (Check("humaneval: the fleet >= 1.5x llama.cpp autoregressive", "humaneval", (f"specfleet:{FLEET}", 1),
                     ("llamacpp", 1), "throughput_tok_s", 1.5),),
            expected_duration="about 1.5-2 hours on 2 CPU cores at full size (--parts humaneval and --rounds 1 for "
