@@ -37,7 +37,7 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from test_loader import CHAT_TEMPLATE, MERGES, tiny_vocab
+from test_loader import tiny_vocab, write_tiny_tokenizer
 from test_spec_greedy import make_engine
 from tiny_models import GEMMA3, ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 
@@ -337,7 +337,6 @@ def write_gemma_gguf(path, model, *, quantized=False, pattern="array", extra=Non
     """`model` as llama.cpp's converter writes a gemma3 file: norms + 1, its names and metadata (the
     layer pattern as a per-layer array, as an int, or left out), matrices F32 or Q8_0/Q4_0."""
     cfg = model.config
-    tokens, types = tiny_vocab()
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -357,14 +356,7 @@ def write_gemma_gguf(path, model, *, quantized=False, pattern="array", extra=Non
         w.add_sliding_window_pattern(pattern)
     for key, value in (extra or {}).items():
         w.add_float32(key, value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tiny_tokenizer(w, cfg)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied

@@ -42,6 +42,19 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def write_tiny_tokenizer(w, cfg) -> None:
+    """The tiny byte-level BPE vocabulary, its merges, special ids and chat template into GGUF writer `w`."""
+    tokens, types = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def tiny_hf_model(arch: str):
     """A 2-layer model with every parameter random (HF zero-inits biases, which would hide bugs)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -83,7 +96,6 @@ def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = ()) -> dict
     One tensor is stored as Q8_0 and one as F16, so the expected values are their round trips.
     """
     cfg = model.config
-    tokens, types = tiny_vocab()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -95,14 +107,7 @@ def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = ()) -> dict
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":
         w.add_key_length(cfg.head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tiny_tokenizer(w, cfg)
     expected: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if (name == "lm_head.weight" and cfg.tie_word_embeddings) or gguf_name(name) in skip:

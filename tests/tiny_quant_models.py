@@ -14,7 +14,7 @@ from specfleet.runtime.build import build_model
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.runtime.qtensor import quantize
-from test_loader import CHAT_TEMPLATE, MERGES, gguf_name, llamacpp_permute, tiny_vocab
+from test_loader import gguf_name, llamacpp_permute, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 # v_proj and down_proj take another format than the rest, as in llama.cpp's *_K_M mixes
@@ -48,7 +48,6 @@ def write_quantized_gguf(path: Path, model, arch: str, overrides: dict | None = 
     """Write `model` as a GGUF file with its matrices in block formats (`overrides`: GGUF tensor name ->
     a GGMLQuantizationType written as raw bytes of that type, for formats gguf-py cannot quantize)."""
     cfg = model.config
-    tokens, types = tiny_vocab()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -60,14 +59,7 @@ def write_quantized_gguf(path: Path, model, arch: str, overrides: dict | None = 
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":
         w.add_key_length(cfg.head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tiny_tokenizer(w, cfg)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
