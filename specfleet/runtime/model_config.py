@@ -148,6 +148,17 @@ class ModelConfig:
             "model_type": model_type,
             "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                "qwen3": "Qwen3ForCausalLM"}[model_type]],
+            **self._shared_hf_fields(),
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+        }
+        if self.arch == "llama":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+    def _shared_hf_fields(self) -> dict:
+        """The config.json fields every architecture writes the same way."""
+        return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -156,16 +167,11 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.arch == "llama":
-            d["attention_bias"] = self.attention_bias
-        return d
 
     def _gemma3_hf_dict(self) -> dict:
         """Gemma3TextConfig's fields: transformers 5 reads rope_parameters, transformers 4 the flat keys."""
@@ -176,16 +182,7 @@ class ModelConfig:
         d = {
             "model_type": "gemma3_text",
             "architectures": ["Gemma3ForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            **self._shared_hf_fields(),
             "attention_bias": self.attention_bias,
             "hidden_activation": self.hidden_act,
             "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar or self.head_dim),  # an int there
@@ -197,8 +194,6 @@ class ModelConfig:
             "rope_local_base_freq": local_theta,
             "final_logit_softcapping": None,
             "attn_logit_softcapping": None,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.rope_scaling_factor != 1.0:
             d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling_factor}
