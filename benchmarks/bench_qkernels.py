@@ -74,7 +74,7 @@ def gguf_fns(path: str) -> tuple[list, dict]:
         if w.qtype not in checked:
             part, x = w.select_rows(slice(0, 64)), torch.randn(3, w.shape[1])
             ref = qtensor.quantize_activations(x, w.qtype).double() @ torch.from_numpy(
-                dequantize(part.data.numpy(), w.qtype).reshape(part.shape)).double().t()
+                dequantize(part.gguf_bytes(), w.qtype).reshape(part.shape)).double().t()
             err = float((qlinear(x, part).double() - ref).abs().max() / ref.abs().max())
             print(f"{w.qtype.name}: {t.name} {w.shape}, kernel vs gguf-py's dequantization: max rel error {err:.1e}")
             if err > 1e-5:

@@ -46,7 +46,7 @@ def random_blocks(qtype, n: int, k: int, seed: int = 0) -> QTensor:
 
 def dense64(w: QTensor) -> torch.Tensor:
     """float64 [N, K] by gguf-py's dequantizer (independent of ours)."""
-    return torch.from_numpy(gguf_dequantize(w.data.numpy(), w.qtype).reshape(w.shape).astype(np.float64))
+    return torch.from_numpy(gguf_dequantize(w.gguf_bytes(), w.qtype).reshape(w.shape).astype(np.float64))
 
 
 def block_of(qtype) -> int:
@@ -87,6 +87,51 @@ def test_kernel_matches_float64_reference(qtype, n):
         assert ((y.double() - tight).abs() <= 2e-6 * (xq.abs() @ wd.abs().t()) + 1e-30).all(), (qtype.name, m)
         exact = x[:m].double() @ wd.t()
         assert ((y.double() - exact).abs() <= 0.02 * (x[:m].double().abs() @ wd.abs().t())).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_formats_are_kept_in_the_kernels_order_and_give_the_file_bytes_back(qtype):
+    """A K-format QTensor holds its quants re-ordered (csrc/q_kquants.c); `gguf_bytes` gives back exactly
+    the bytes it was built from, the C and numpy re-orderings agree, and select/cat keep the order."""
+    rng = np.random.default_rng(3)
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(9, 2 * size), dtype=np.uint8)
+    w = QTensor(raw, qtype, (9, 512))
+    assert not np.array_equal(w.data.numpy(), raw)  # re-ordered, so the kernels read the new order
+    assert np.array_equal(w.gguf_bytes(), raw)
+    assert np.array_equal(qtensor.pack_k(raw, qtype, native=False), w.data.numpy())
+    assert np.array_equal(qtensor.unpack_k(qtensor.pack_k(raw, qtype), qtype), raw)
+    assert np.array_equal(w.select_rows([4, 1]).gguf_bytes(), raw[[4, 1]])
+    assert np.array_equal(QTensor.cat([w, w.select_rows([0])]).gguf_bytes(), np.concatenate([raw, raw[:1]]))
+    assert np.array_equal(QTensor(w.data, qtype, (9, 512), packed=True).gguf_bytes(), raw)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_k_kernels_do_not_overflow_their_int16_sums(qtype, sign):
+    """The K kernels add maddubs results in int16 before scaling (Q4_K over a whole block, Q6_K over
+    two registers): with every quant at its largest and every activation at +-127 those sums reach
+    +-30480 and +-32004. A wrapped or saturated sum would be far off the float64 reference."""
+    n, k = 5, 512
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = np.zeros((n, k // 256, size), np.uint8)
+    if qtype == T.Q4_K:
+        raw[:, :, 4:8] = 0xFF  # sc[0..3] = 63 and the top two bits of sc[4..7] (every min stays 0)
+        raw[:, :, 12:16] = 0x0F  # the low four bits of sc[4..7]: 63
+        raw[:, :, 16:] = 0xFF  # every quant 15
+        raw[:, :, 0:2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    else:
+        raw[:, :, :192] = 0xFF  # every quant 63
+        raw[:, :, 192:208] = 127  # scales
+        raw[:, :, 208:210] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    w = QTensor(raw.reshape(n, -1), qtype, (n, k))
+    wd = dense64(w)
+    assert (wd != 0).all()
+    x = torch.full((3, k), sign)
+    y = qlinear(x, w).double()
+    ref = quantize_activations(x, qtype).double() @ wd.t()
+    assert torch.allclose(y, ref, rtol=1e-5), (y, ref)
 
 
 @needs_native

@@ -17,6 +17,8 @@ and every later load reads that folder. This module knows the GGUF specifics:
 """
 from __future__ import annotations
 
+import mmap
+
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -303,8 +305,9 @@ def save_tokenizer(path: Path, out_dir: Path) -> None:
 def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, Any]]:
     """HF-named weights with every matrix kept in its GGUF block format (a QTensor, runtime/qtensor.py).
 
-    A matrix's QTensor wraps the reader's memory map of the file without a copy, so resident memory
-    grows to about the file's size as the pages are first read, and no dense copy ever exists.
+    A matrix's QTensor wraps the reader's memory map of the file without a copy, or for Q4_K / Q6_K
+    holds a re-ordered copy (whose mapped pages are then dropped), so resident memory comes to about
+    the file's size, and no dense copy ever exists.
     Vectors (norms, biases) and matrices stored as F32/F16/BF16 in a format the kernels do not take
     come back dense in float32. The q/k rows of the `llama` arch are un-permuted by reordering whole
     rows, which GGUF's blocks (along a row) allow. With `requant` (a GGMLQuantizationType) every matrix
@@ -325,6 +328,8 @@ def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, A
         elif kind in qtensor.SUPPORTED_TYPES:
             cols, rows = (int(d) for d in tensor.shape.tolist())
             w = qtensor.QTensor(tensor.data, kind, (rows, cols))
+            if kind in qtensor.K_TYPES:  # a re-ordered copy: the file's pages are not needed again
+                _drop_mapped_pages(reader, tensor)
             if heads is not None:
                 w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))
             weights[name] = w
@@ -336,6 +341,19 @@ def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, A
                 "(CLI --quantization none), or requantize it with quantization='q8_0'"
             )
     return config, weights
+
+
+def _drop_mapped_pages(reader, tensor) -> None:
+    """Unmap the whole pages of `tensor`'s bytes from this process (they stay in the page cache): a
+    tensor that was copied would otherwise count twice in resident memory while the map lives."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = -(-int(tensor.data_offset) // page) * page
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // page * page
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def requantize(weight: torch.Tensor, qtype):

@@ -2,8 +2,10 @@
 
 A `QTensor` is a 2-D weight [N, K] (N output rows, K inputs) stored as llama.cpp stores it: each row
 is K / block_size blocks of `type_size` bytes (the layouts are written out at the top of
-csrc/q_legacy.c and csrc/q_kquants.c). Its bytes can wrap the GGUF file's read-only memory map, so a
-model loaded this way costs about the file's size in memory.
+csrc/q_legacy.c and csrc/q_kquants.c). The 32-weight formats' bytes can wrap the GGUF file's read-only
+memory map; Q4_K and Q6_K are copied once with each block's quants re-ordered for the kernels
+(`pack_k`: same block size, scales where they were; `gguf_bytes()` gives the file's order back). Either
+way a model loaded like this costs about the file's size in memory.
 
 `qlinear(x, w)` computes x @ W^T with the native kernel (AVX2 + FMA + F16C + OpenMP, compiled on first
 use into the cache by runtime/native.py and loaded with ctypes, which releases the GIL). The kernel
@@ -44,7 +46,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c"]
 HEADERS = (_CSRC / "q_common.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI = 2
+ABI = 3  # 3: the K formats in the kernels' interleaved order (pack_k)
 # input transforms of `run_fused` (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -106,6 +108,8 @@ def _load() -> ctypes.CDLL:
     lib.specfleet_decode_layers.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
                                             ptr, ptr, ptr, ptr, ctypes.c_float, i64]
     lib.specfleet_decode_layers.restype = ctypes.c_int
+    lib.specfleet_k_pack.argtypes = [ctypes.c_int, ptr, ptr, i64, ctypes.c_int]
+    lib.specfleet_k_pack.restype = ctypes.c_int
     return lib
 
 
@@ -145,7 +149,10 @@ class QTensor:
 
     __slots__ = ("data", "qtype", "shape")
 
-    def __init__(self, data, qtype, shape: tuple[int, int]):
+    def __init__(self, data, qtype, shape: tuple[int, int], packed: bool = False):
+        """`data`: the rows in the file's (ggml's) order; a Q4_K / Q6_K matrix is copied into the
+        kernels' order (`pack_k`), the other formats are wrapped without a copy where they are
+        contiguous. `packed=True` says a K-format `data` is in the kernels' order already."""
         qtype = _as_type(qtype)
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"{qtype.name} is not a supported block format; supported: "
@@ -162,7 +169,10 @@ class QTensor:
         if data.dtype != torch.uint8 or data.numel() != n * row_bytes:
             raise ValueError(f"{qtype.name} [{n}, {k}] needs {n * row_bytes} bytes, got {data.numel()} "
                              f"of {data.dtype}")
-        self.data = data.reshape(n, row_bytes).contiguous()  # the kernels read rows back to back
+        data = data.reshape(n, row_bytes)
+        if qtype in K_TYPES and not packed:
+            data = torch.from_numpy(pack_k(data.numpy(), qtype))
+        self.data = data.contiguous()  # the kernels read rows back to back
         self.qtype = qtype
         self.shape = (n, k)
 
@@ -172,6 +182,11 @@ class QTensor:
 
     def __repr__(self) -> str:
         return f"QTensor({self.qtype.name}, shape={self.shape})"
+
+    def gguf_bytes(self) -> np.ndarray:
+        """uint8 [N, row_bytes] in the file's (ggml's) block order, as gguf-py reads and writes it."""
+        raw = self.data.numpy()
+        return unpack_k(raw, self.qtype) if self.qtype in K_TYPES else raw
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.data, self.qtype, self.shape[1]).to(dtype)
@@ -193,7 +208,7 @@ class QTensor:
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         if index.numel() and (int(index.min()) < -self.shape[0] or int(index.max()) >= self.shape[0]):
             raise IndexError(f"select_rows: row ids must lie in [0, {self.shape[0]}) for {self!r}")
-        return QTensor(self._gather(index), self.qtype, (int(index.numel()), self.shape[1]))
+        return QTensor(self._gather(index), self.qtype, (int(index.numel()), self.shape[1]), packed=True)
 
     @staticmethod
     def cat(parts: list["QTensor"]) -> "QTensor":
@@ -204,13 +219,16 @@ class QTensor:
         for p in parts[1:]:
             if p.qtype != first.qtype or p.shape[1] != first.shape[1]:
                 raise ValueError(f"cannot concatenate {first!r} with {p!r}: formats and K must match")
-        return QTensor(torch.cat([p.data for p in parts]), first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]))
+        return QTensor(torch.cat([p.data for p in parts]), first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]),
+                       packed=True)
 
 
 def _dequantize(data: torch.Tensor, qtype: T, k: int) -> torch.Tensor:
+    """fp32 [rows, k] from a QTensor's bytes (the kernels' order for the K formats)."""
     from gguf.quants import dequantize
 
-    arr = dequantize(data.contiguous().numpy(), qtype)
+    raw = data.contiguous().numpy()
+    arr = dequantize(unpack_k(raw, qtype) if qtype in K_TYPES else raw, qtype)
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(data.shape[0], k))
 
 
@@ -344,3 +362,92 @@ def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
     out = np.concatenate([d16.view(np.uint8).reshape(n, k // 256, 2), dmin16.view(np.uint8).reshape(n, k // 256, 2),
                           scales, qs], axis=-1)
     return out.reshape(n, -1)
+
+
+# The kernels' order of the K formats' quants (csrc/q_kquants.c): weight e = 32u + 4t + b of a block
+# (u, t in 0..7, b in 0..3) sits at byte 4u + b of 32-byte register t, so each dword of a register
+# holds one 32-wide sub-block in every register. Scales, mins and d stay where ggml has them.
+PACK_CHUNK = 1 << 16  # blocks re-ordered at a time (bounds the temporaries to a few MB)
+
+
+def _interleave(q: np.ndarray) -> np.ndarray:
+    """[B, 256] quants in element order -> [B, 8, 32] registers (register t, byte 4u + b)."""
+    return q.reshape(-1, 8, 8, 4).transpose(0, 2, 1, 3).reshape(-1, 8, 32)
+
+
+def _deinterleave(v: np.ndarray) -> np.ndarray:
+    """[B, 8, 32] registers -> [B, 256] quants in element order (the inverse of `_interleave`)."""
+    return v.reshape(-1, 8, 8, 4).transpose(0, 2, 1, 3).reshape(-1, 256)
+
+
+def _q4k_pack(blk: np.ndarray) -> np.ndarray:
+    qs = blk[:, 16:]
+    q = np.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 256)
+    v = _interleave(q)
+    out = blk.copy()
+    out[:, 16:] = (v[:, :4] | (v[:, 4:] << 4)).reshape(-1, 128)
+    return out
+
+
+def _q4k_unpack(blk: np.ndarray) -> np.ndarray:
+    qs = blk[:, 16:].reshape(-1, 4, 32)
+    q = _deinterleave(np.concatenate([qs & 15, qs >> 4], axis=1)).reshape(-1, 4, 2, 32)
+    out = blk.copy()
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return out
+
+
+def _q6k_pack(blk: np.ndarray) -> np.ndarray:
+    ql = blk[:, :128].reshape(-1, 2, 2, 32)  # [half, l or 32 + l, l]
+    qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.stack([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)  # quarters 0..3 of a half
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    v = _interleave((low | (high << 4)).reshape(-1, 256))
+    out = blk.copy()
+    out[:, :128] = ((v[:, :4] & 15) | ((v[:, 4:] & 15) << 4)).reshape(-1, 128)
+    top = (v >> 4).reshape(-1, 2, 4, 32) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    out[:, 128:192] = np.bitwise_or.reduce(top, axis=2).reshape(-1, 64)
+    return out
+
+
+def _q6k_unpack(blk: np.ndarray) -> np.ndarray:
+    ql = blk[:, :128].reshape(-1, 4, 32)
+    qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
+    top = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 8, 32)
+    q = _deinterleave(np.concatenate([ql & 15, ql >> 4], axis=1) | (top << 4)).reshape(-1, 2, 4, 32)
+    out = blk.copy()
+    out[:, :128] = ((q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)).reshape(-1, 128)
+    high = (q >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    out[:, 128:192] = np.bitwise_or.reduce(high, axis=2).reshape(-1, 64)
+    return out
+
+
+def _reorder(data: np.ndarray, qtype: T, fn) -> np.ndarray:
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)
+    out = np.empty_like(blocks)
+    for i in range(0, len(blocks), PACK_CHUNK):
+        out[i:i + PACK_CHUNK] = fn(blocks[i:i + PACK_CHUNK])
+    return out.reshape(data.shape)
+
+
+def pack_k(data: np.ndarray, qtype, native: bool = True) -> np.ndarray:
+    """Q4_K / Q6_K bytes (any shape, whole blocks) from ggml's order into the kernels' order; a copy.
+    The C library does it where it is built (numpy's version, `native=False`, moves ~70 MB/s: a
+    quarter of a minute for the 1.5B)."""
+    qtype = _as_type(qtype)
+    lib = _get() if native else None
+    if lib is None:
+        return _reorder(data, qtype, {T.Q4_K: _q4k_pack, T.Q6_K: _q6k_pack}[qtype])
+    src = np.ascontiguousarray(data, dtype=np.uint8)
+    out = np.empty_like(src)
+    nblocks = src.size // GGML_QUANT_SIZES[qtype][1]
+    if lib.specfleet_k_pack(int(qtype), src.ctypes.data, out.ctypes.data, nblocks, torch.get_num_threads()) != 0:
+        raise ValueError(f"the native kernel cannot pack {qtype.name}")
+    return out
+
+
+def unpack_k(data: np.ndarray, qtype) -> np.ndarray:
+    """The inverse of `pack_k`: back to ggml's order (what gguf-py dequantizes); a copy."""
+    qtype = _as_type(qtype)
+    return _reorder(data, qtype, {T.Q4_K: _q4k_unpack, T.Q6_K: _q6k_unpack}[qtype])

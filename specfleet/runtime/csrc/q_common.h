@@ -3,7 +3,8 @@
  *
  * Activations are quantized per row to int8 before any product, one scale per 32 values (xq32, for
  * the 32-weight formats) or per 256 with the sums of every 16 quants (xq256, for the K formats):
- * x[i] ~= d * q[i], d = amax / 127, q = round-half-even(x[i] * 127 / amax). The inner products are
+ * x[i] ~= d * q[i], d = amax / 127, q = round-half-even(x[i] * 127 / amax); an xq256 holds its quants
+ * in the K kernels' interleaved order (q_kquants.c). The inner products are
  * then integer: a weight's unsigned quant times the activation's signed quant by
  * _mm256_maddubs_epi16, widened by _mm256_madd_epi16.
  *
@@ -26,7 +27,7 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
 
 typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;            /* 40 B */
-typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B */
+typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B; bsum in element order */
 
 /* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
  * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate

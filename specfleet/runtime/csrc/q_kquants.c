@@ -1,7 +1,7 @@
 /* The 256-weight K formats for specfleet's block-format kernels (see q_common.h): one weight row
  * against up to TILE int8 activation rows, and the activation quantizer for 256-value blocks.
  *
- * Block layouts (ggml's, read from the file as they are; "fp16" is IEEE half):
+ * ggml's block layouts, as the GGUF file stores them ("fp16" is IEEE half):
  *   Q4_K  256 weights, 144 B: fp16 d | fp16 dmin | u8 scales[12] | u8 qs[128]
  *         eight sub-blocks of 32 with 6-bit scale sc[j] and min mn[j] packed in scales[12];
  *         qs[32c + l] low nibble is q of weight 64c + l, high nibble of weight 64c + 32 + l;
@@ -14,11 +14,22 @@
  *           q(l + 96) = ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4
  *         w = d * scales[e / 16] * (q - 32) for weight e of the block
  *
+ * The kernels read both with their quants re-ordered at load (runtime/qtensor.py `pack_k`; scales, mins
+ * and d where they were, so a block keeps its size): the "interleaved" order. Weight e = 32u + 4t + b
+ * of a block (u, t in 0..7, b in 0..3) goes to byte 4u + b of 32-byte register t. The activation
+ * quants of a block are laid out the same way (sfq_quantize_row256). Then every int16 lane pair
+ * (dword u) of a maddubs over registers t holds weights of 32-wide sub-block u alone, whatever t is:
+ *   Q4_K/x  qs[32c + p]: low nibble register c, high nibble register c + 4 (c in 0..3, p in 0..31)
+ *   Q6_K/x  ql[32c + p]: low 4 bits of registers c (low nibble) and c + 4 (high nibble);
+ *           qh[32g + p]: bits 2i..2i+1 hold the top 2 bits of register 4g + i (g in 0..1, i in 0..3)
  *
- * The products: per 32-weight sub-block, maddubs of the unsigned quants with the activation quants,
- * then madd by the sub-block's scale; Q4_K's mins and Q6_K's -32 offset come off through the
- * activation block's sums of 16 (bsum). Per block the integer sum is scaled by d_w * d_x in fp32 into
- * an 8-lane accumulator. */
+ * The products: maddubs of the unsigned weight quants with the signed activation quants gives int16
+ * sums of two products. Because a lane belongs to the same sub-block in every register, those sums add
+ * up in int16 across registers before any scale is applied, and one madd per block (Q4_K: all eight
+ * registers, |sum| <= 8 * 2 * 15 * 127 = 30480) or per pair of registers (Q6_K: 63 * 127 * 2 * 2 =
+ * 32004) applies the sub-block scales, laid out per dword. ggml's order needs a madd per register.
+ * Q4_K's mins and Q6_K's -32 offset come off through the activation block's sums of 16 (bsum). Per
+ * block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator. */
 #include "q_common.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
@@ -33,6 +44,7 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
         const float mx = _mm_cvtss_f32(m);
         const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
         out[b].d = mx / 127.0f;
+        int8_t nat[256]; /* the block's quants in element order */
         for (int g = 0; g < 8; g++) {
             __m256i i32[4];
             for (int i = 0; i < 4; i++)
@@ -40,13 +52,16 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
             p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(out[b].q + 32 * g), p8);
+            _mm256_storeu_si256((__m256i *)(nat + 32 * g), p8);
         }
         for (int s = 0; s < 16; s++) {
             int sum = 0;
-            for (int i = 0; i < 16; i++) sum += out[b].q[16 * s + i];
+            for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
             out[b].bsum[s] = (int16_t)sum;
         }
+        /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
+        for (int t = 0; t < 8; t++)
+            for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
     }
 }
 
@@ -71,88 +86,91 @@ ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
     return _mm_blend_epi32(_mm_blend_epi32(low6, lo4, 0x2), hi4, 0x8);
 }
 
+/* An empty asm that takes an accumulator in a register: the sums then run in the order written. Without
+ * it GCC re-associates the int16 sums into a tree whose many live partial sums spill to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+ALWAYS_INLINE __m256i loadx(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
-    /* the mins' products go to their own accumulators: one dependent FMA per block and chain, not two */
-    __m256 macc[TILE];
-    for (int r = 0; r < R; r++) macc[r] = _mm256_setzero_ps();
     const b_q4_k *w = (const b_q4_k *)wrow;
-    const __m256i lo_mask = _mm256_set1_epi8(0x0f);
-    /* pick 16-bit element j of a vector holding 8 of them, into every lane */
-    const __m256i pick[8] = {
-        _mm256_set1_epi16(0x0100), _mm256_set1_epi16(0x0302), _mm256_set1_epi16(0x0504), _mm256_set1_epi16(0x0706),
-        _mm256_set1_epi16(0x0908), _mm256_set1_epi16(0x0b0a), _mm256_set1_epi16(0x0d0c), _mm256_set1_epi16(0x0f0e)};
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    /* each of the 8 scales (or mins) twice, for the two int16 lanes of a dword */
+    const __m128i dup_sc = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m128i dup_mn = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
         const float d = h2f(w[b].d), dmin = h2f(w[b].dmin);
         const __m128i sm = q4k_scales_mins(w[b].scales);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* sc[0..7] in each lane */
-        /* the mins: lane j of madd(mins, bsum) is mn[j] * (bsum[2j] + bsum[2j+1]) */
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11,
-                                                                                      12, 12, 13, 13, 14, 14, 15, 15)));
-        __m256i isum[TILE];
-        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_sc));
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mn));
+        __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
         for (int c = 0; c < 4; c++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
-            const __m256i lo = _mm256_and_si256(q, lo_mask);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo_mask);
-            const __m256i s_lo = _mm256_shuffle_epi8(sc16, pick[2 * c]), s_hi = _mm256_shuffle_epi8(sc16, pick[2 * c + 1]);
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             for (int r = 0; r < R; r++) {
-                const int8_t *xq = x[r][b].q + 64 * c;
-                const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)), s_lo);
-                const __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))), s_hi);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(a, h));
+                const int8_t *xq = x[r][b].q;
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, loadx(xq + 32 * c)),
+                                                   _mm256_maddubs_epi16(hi, loadx(xq + 128 + 32 * c)));
+                p[r] = c ? _mm256_add_epi16(p[r], t) : t;
+                KEEP(p[r]);
             }
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
+            const __m256i isum = _mm256_madd_epi16(p[r], sc);
             const __m256i mterm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsum));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            macc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), macc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(macc[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* the top two bits of Q6_K/x register 4g + i, from qh word h of group g, moved to bits 4..5 of each byte */
+ALWAYS_INLINE __m256i q6_top(__m256i h, int i) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (i) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
 }
 
 ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q6_k *w = (const b_q6_k *)wrow;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
-    __m256i pick[8]; /* byte s into the high byte of every 16-bit element: s = 2k in the low lane, 2k+1 high */
-    for (int k = 0; k < 8; k++) {
-        const int16_t lo = (int16_t)(((2 * k) << 8) | 0x80), hi = (int16_t)(((2 * k + 1) << 8) | 0x80);
-        pick[k] = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    /* registers 0..3 hold the first 16 weights of each sub-block of 32 (Q6_K scale 2u), 4..7 the last 16 */
+    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
         const float d = h2f(w[b].d);
-        const int8_t *scales = w[b].scales;
-        const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)scales));
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
+        const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));
+        const __m256i s_last = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, odd));
         __m256i isum[TILE];
-        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w[b].ql + 64 * h, *qh = w[b].qh + 32 * h;
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
-            for (int g = 0; g < 4; g++) {
-                /* scales[8h + 2g] in the low lane's 16-bit elements, scales[8h + 2g + 1] in the high
-                 * lane's: the byte moved into each element's high byte, then shifted down with its sign */
-                const __m256i sv = _mm256_srai_epi16(_mm256_shuffle_epi8(sc8, pick[4 * h + g]), 8);
-                for (int r = 0; r < R; r++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * g));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xv), sv));
-                }
+        for (int k = 0; k < 4; k++) { /* register pairs (2k, 2k + 1) */
+            const int hi = k >= 2, c = 2 * (k & 1);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w[b].qh + 32 * hi));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * c));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * (c + 1)));
+            const __m256i n0 = hi ? _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4) : _mm256_and_si256(l0, m4);
+            const __m256i n1 = hi ? _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4) : _mm256_and_si256(l1, m4);
+            const __m256i q0 = _mm256_or_si256(n0, q6_top(h, c)), q1 = _mm256_or_si256(n1, q6_top(h, c + 1));
+            const __m256i s = hi ? s_last : s_first;
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r][b].q + 64 * k;
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(q0, loadx(xq)), _mm256_maddubs_epi16(q1, loadx(xq + 32)));
+                const __m256i v = _mm256_madd_epi16(t, s);
+                isum[r] = k ? _mm256_add_epi32(isum[r], v) : v;
+                KEEP(isum[r]);
             }
         }
         /* the -32 offset: 32 * sum over sub-blocks of scale * (sum of the sub-block's activation quants) */
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
             const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsum));
@@ -172,4 +190,52 @@ cols_fn sfq_kquant_columns(int type) {
     case T_Q6_K: return cols_q6_k;
     default: return 0;
     }
+}
+
+/* The kernels' order from ggml's (see the top of this file) for nblocks blocks of Q4_K (type 12) or
+ * Q6_K (14), src -> dst (not overlapping); runtime/qtensor.py `pack_k` is the same in numpy. Returns 0,
+ * or -1 for another type. */
+int specfleet_k_pack(int type, const uint8_t *src, uint8_t *dst, int64_t nblocks, int num_threads) {
+    if (type != T_Q4_K && type != T_Q6_K) return -1;
+    const int64_t size = type == T_Q4_K ? 144 : 210;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (nblocks >= 4096)
+    for (int64_t i = 0; i < nblocks; i++) {
+        const uint8_t *s = src + i * size;
+        uint8_t *o = dst + i * size;
+        uint8_t q[256], v[8][32]; /* quants in element order; the registers */
+        memcpy(o, s, (size_t)size);
+        if (type == T_Q4_K) {
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    q[64 * c + l] = s[16 + 32 * c + l] & 15;
+                    q[64 * c + 32 + l] = s[16 + 32 * c + l] >> 4;
+                }
+        } else {
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *ql = s + 64 * h, hb = s[128 + 32 * h + l];
+                    q[128 * h + l] = (ql[l] & 15) | (hb & 3) << 4;
+                    q[128 * h + 32 + l] = (ql[l + 32] & 15) | (hb >> 2 & 3) << 4;
+                    q[128 * h + 64 + l] = (ql[l] >> 4) | (hb >> 4 & 3) << 4;
+                    q[128 * h + 96 + l] = (ql[l + 32] >> 4) | (hb >> 6 & 3) << 4;
+                }
+        }
+        for (int t = 0; t < 8; t++)
+            for (int u = 0; u < 8; u++)
+                for (int b = 0; b < 4; b++) v[t][4 * u + b] = q[32 * u + 4 * t + b];
+        if (type == T_Q4_K) {
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < 32; p++) o[16 + 32 * c + p] = (uint8_t)(v[c][p] | v[c + 4][p] << 4);
+        } else {
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < 32; p++) o[32 * c + p] = (uint8_t)((v[c][p] & 15) | (v[c + 4][p] & 15) << 4);
+            for (int g = 0; g < 2; g++)
+                for (int p = 0; p < 32; p++) {
+                    uint8_t hb = 0;
+                    for (int i = 0; i < 4; i++) hb |= (uint8_t)((v[4 * g + i][p] >> 4 & 3) << (2 * i));
+                    o[128 + 32 * g + p] = hb;
+                }
+        }
+    }
+    return 0;
 }
