@@ -37,7 +37,7 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from test_loader import tiny_vocab, write_tiny_tokenizer
+from test_loader import tiny_vocab, write_tiny_shape, write_tiny_tokenizer
 from test_spec_greedy import make_engine
 from tiny_models import GEMMA3, ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 
@@ -338,12 +338,7 @@ def write_gemma_gguf(path, model, *, quantized=False, pattern="array", extra=Non
     layer pattern as a per-layer array, as an int, or left out), matrices F32 or Q8_0/Q4_0."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_tiny_shape(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

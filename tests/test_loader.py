@@ -42,6 +42,16 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def write_tiny_shape(w, cfg) -> None:
+    """The model-shape keys every tiny GGUF writer puts in `w` alike: layers, context, widths, heads."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def write_tiny_tokenizer(w, cfg) -> None:
     """The tiny byte-level BPE vocabulary, its merges, special ids and chat template into GGUF writer `w`."""
     tokens, types = tiny_vocab()
@@ -97,12 +107,7 @@ def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = ()) -> dict
     """
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_tiny_shape(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":

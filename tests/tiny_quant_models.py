@@ -14,7 +14,7 @@ from specfleet.runtime.build import build_model
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.runtime.qtensor import quantize
-from test_loader import gguf_name, llamacpp_permute, write_tiny_tokenizer
+from test_loader import gguf_name, llamacpp_permute, write_tiny_shape, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 # v_proj and down_proj take another format than the rest, as in llama.cpp's *_K_M mixes
@@ -49,12 +49,7 @@ def write_quantized_gguf(path: Path, model, arch: str, overrides: dict | None = 
     a GGMLQuantizationType written as raw bytes of that type, for formats gguf-py cannot quantize)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_tiny_shape(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":

@@ -34,7 +34,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES
 
-from specfleet.runtime import native
+from specfleet.runtime import kquant_order, native
+from specfleet.runtime.kquant_order import unpack as unpack_k
 
 log = logging.getLogger(__name__)
 
@@ -364,73 +365,6 @@ def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
-# The kernels' order of the K formats' quants (csrc/q_kquants.c): weight e = 32u + 4t + b of a block
-# (u, t in 0..7, b in 0..3) sits at byte 4u + b of 32-byte register t, so each dword of a register
-# holds one 32-wide sub-block in every register. Scales, mins and d stay where ggml has them.
-PACK_CHUNK = 1 << 16  # blocks re-ordered at a time (bounds the temporaries to a few MB)
-
-
-def _interleave(q: np.ndarray) -> np.ndarray:
-    """[B, 256] quants in element order -> [B, 8, 32] registers (register t, byte 4u + b)."""
-    return q.reshape(-1, 8, 8, 4).transpose(0, 2, 1, 3).reshape(-1, 8, 32)
-
-
-def _deinterleave(v: np.ndarray) -> np.ndarray:
-    """[B, 8, 32] registers -> [B, 256] quants in element order (the inverse of `_interleave`)."""
-    return v.reshape(-1, 8, 8, 4).transpose(0, 2, 1, 3).reshape(-1, 256)
-
-
-def _q4k_pack(blk: np.ndarray) -> np.ndarray:
-    qs = blk[:, 16:]
-    q = np.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 256)
-    v = _interleave(q)
-    out = blk.copy()
-    out[:, 16:] = (v[:, :4] | (v[:, 4:] << 4)).reshape(-1, 128)
-    return out
-
-
-def _q4k_unpack(blk: np.ndarray) -> np.ndarray:
-    qs = blk[:, 16:].reshape(-1, 4, 32)
-    q = _deinterleave(np.concatenate([qs & 15, qs >> 4], axis=1)).reshape(-1, 4, 2, 32)
-    out = blk.copy()
-    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return out
-
-
-def _q6k_pack(blk: np.ndarray) -> np.ndarray:
-    ql = blk[:, :128].reshape(-1, 2, 2, 32)  # [half, l or 32 + l, l]
-    qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
-    low = np.stack([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)  # quarters 0..3 of a half
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    v = _interleave((low | (high << 4)).reshape(-1, 256))
-    out = blk.copy()
-    out[:, :128] = ((v[:, :4] & 15) | ((v[:, 4:] & 15) << 4)).reshape(-1, 128)
-    top = (v >> 4).reshape(-1, 2, 4, 32) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    out[:, 128:192] = np.bitwise_or.reduce(top, axis=2).reshape(-1, 64)
-    return out
-
-
-def _q6k_unpack(blk: np.ndarray) -> np.ndarray:
-    ql = blk[:, :128].reshape(-1, 4, 32)
-    qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
-    top = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 8, 32)
-    q = _deinterleave(np.concatenate([ql & 15, ql >> 4], axis=1) | (top << 4)).reshape(-1, 2, 4, 32)
-    out = blk.copy()
-    out[:, :128] = ((q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)).reshape(-1, 128)
-    high = (q >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    out[:, 128:192] = np.bitwise_or.reduce(high, axis=2).reshape(-1, 64)
-    return out
-
-
-def _reorder(data: np.ndarray, qtype: T, fn) -> np.ndarray:
-    size = GGML_QUANT_SIZES[qtype][1]
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)
-    out = np.empty_like(blocks)
-    for i in range(0, len(blocks), PACK_CHUNK):
-        out[i:i + PACK_CHUNK] = fn(blocks[i:i + PACK_CHUNK])
-    return out.reshape(data.shape)
-
-
 def pack_k(data: np.ndarray, qtype, native: bool = True) -> np.ndarray:
     """Q4_K / Q6_K bytes (any shape, whole blocks) from ggml's order into the kernels' order; a copy.
     The C library does it where it is built (numpy's version, `native=False`, moves ~70 MB/s: a
@@ -438,16 +372,10 @@ def pack_k(data: np.ndarray, qtype, native: bool = True) -> np.ndarray:
     qtype = _as_type(qtype)
     lib = _get() if native else None
     if lib is None:
-        return _reorder(data, qtype, {T.Q4_K: _q4k_pack, T.Q6_K: _q6k_pack}[qtype])
+        return kquant_order.pack(data, qtype)
     src = np.ascontiguousarray(data, dtype=np.uint8)
     out = np.empty_like(src)
     nblocks = src.size // GGML_QUANT_SIZES[qtype][1]
     if lib.specfleet_k_pack(int(qtype), src.ctypes.data, out.ctypes.data, nblocks, torch.get_num_threads()) != 0:
         raise ValueError(f"the native kernel cannot pack {qtype.name}")
     return out
-
-
-def unpack_k(data: np.ndarray, qtype) -> np.ndarray:
-    """The inverse of `pack_k`: back to ggml's order (what gguf-py dequantizes); a copy."""
-    qtype = _as_type(qtype)
-    return _reorder(data, qtype, {T.Q4_K: _q4k_unpack, T.Q6_K: _q6k_unpack}[qtype])
