@@ -392,3 +392,24 @@ def test_validate_catches_mutation_after_construction():
     with pytest.raises(InvalidRequestError):
         sp.validate()
     assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_token_without_mass():
+    from scipy.stats import chisquare
+
+    from specfleet.core.verify import draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = np.bincount([draw(probs * 3.0, gen) for _ in range(n)], minlength=7)  # unnormalized input
+    assert counts[[0, 2, 6]].sum() == 0
+    support = probs > 0
+    assert chisquare(counts[support.numpy()], (probs[support] * n).numpy()).pvalue > 1e-3
+    # a skewed row: the draw is not biased towards the front or the back of the vocabulary
+    wide = torch.zeros(151936)
+    wide[[5, 70000, 151935]] = torch.tensor([0.25, 0.5, 0.25])
+    got = np.bincount([{5: 0, 70000: 1, 151935: 2}[draw(wide, gen)] for _ in range(4000)], minlength=3)
+    assert chisquare(got, [1000, 2000, 1000]).pvalue > 1e-3
+    # the same generator state gives the same draw
+    assert draw(probs, torch.Generator().manual_seed(9)) == draw(probs, torch.Generator().manual_seed(9))

@@ -32,6 +32,22 @@ import torch
 from specfleet.core.tree import DraftTree
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [vocab] distribution (not necessarily normalized) with the given generator.
+
+    Inverse CDF in float64: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1). A
+    token of zero mass adds nothing to the cumulative sum, so it can never be drawn. Why not
+    torch.multinomial: on the CPU it took ~4.3 ms for one draw over a 151936-token vocabulary (this
+    takes ~0.2 ms), paid by every sampled token of plain decoding, every sampled draft token and every
+    verification's bonus or residual draw."""
+    cdf = probs.reshape(-1).to(torch.float64).cumsum(0)
+    u = torch.rand((1,), generator=generator, dtype=torch.float64, device=cdf.device)
+    i = int(torch.searchsorted(cdf, u * cdf[-1], right=True).item())
+    if i < cdf.shape[0]:
+        return i
+    return int(torch.nonzero(probs.reshape(-1))[-1])  # u * total rounded up to total: the last token with mass
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     accepted_nodes: list[int]
@@ -94,6 +110,6 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, generator: torch
                 total = float(p.sum())
             p /= total
         if chosen is None:
-            return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator).item()))
+            return VerifyResult(accepted, draw(p, generator))
         accepted.append(chosen)
         node = chosen

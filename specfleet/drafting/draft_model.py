@@ -34,7 +34,7 @@ from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.sampling import GeneratorStore, target_probs
+from specfleet.runtime.sampling import GeneratorStore, sample_from, target_probs
 
 
 @dataclass
@@ -207,7 +207,7 @@ class DraftModelProposer:
                     tokens[i].append(int(logits[i].argmax()))
                 else:
                     q = target_probs(logits[i:i + 1], r.params)[0]
-                    tokens[i].append(int(torch.multinomial(q, 1, generator=self.generators.get(r))))
+                    tokens[i].append(sample_from(q, self.generators.get(r)))
                     # verification needs q over the whole vocabulary; tokens past a cut head have q = 0
                     probs[i].append(torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[0])))
             if step == k - 1:

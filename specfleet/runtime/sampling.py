@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from specfleet.core.verify import draw
 from specfleet.sampling_params import SamplingParams
 
 
@@ -40,8 +41,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [vocab] distribution with the request's own generator."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One draw from a [vocab] distribution with the request's own generator (core/verify.py `draw`)."""
+    return draw(probs, generator)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
