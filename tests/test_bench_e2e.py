@@ -182,3 +182,27 @@ def test_bench_sampled_raw_prompts(tiny_pair, tmp_path):
     assert part["chat_template"] is False and part["config"]["temperature"] == 0.8
     assert all(r["output_tokens"] == 4 for r in part["requests"]) and not list(out.glob("*.png"))
     assert "temperature 0.8, top-k 20, top-p 0.9, seed 5" in (out / "report.md").read_text()
+
+
+def test_bench_reports_drafting_costs_and_the_fleets_own_measurements(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there hello there hello there\nwrite a poem about the sea\n")
+    out = tmp_path / "out"
+    fleet = f"specfleet:fleet({draft},prompt-lookup)"
+    rc = bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--num-prompts", "2",
+                     "--batch-sizes", "1", "--max-tokens", "12", "--dtype", "float32", "--ignore-eos",
+                     "--no-progress", "--no-plots", "--out", str(out), "--systems", "ar", fleet,
+                     f"specfleet:{draft},k=3"])
+    assert rc == 0
+    part = json.loads((out / "results.json").read_text())["results"]["parts"][0]
+    systems = {s["label"]: s for s in part["systems"]}
+    assert "strategy_state" not in systems["ar"]
+    (state,) = systems[fleet]["strategy_state"]  # one round
+    report = next(v["fleet"] for v in state.values() if "fleet" in v)
+    assert report["request_steps"] > 0
+    assert abs(sum(report["share"].values()) - 1.0) < 0.01  # members, merged and plain cover every step
+    md = (out / "report.md").read_text()
+    assert "Drafting cost and acceptance by position" in md and "acc@1" in md
+    assert f"| specfleet:{draft},k=3 | 1 |" in md  # the single draft's d and acceptance row
+    assert "Fleet fleet(" in md and "| prompt-lookup |" in md and "| plain |" in md

@@ -54,6 +54,57 @@ def _checks(checks: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _speculation(part: dict) -> list[str]:
+    """Acceptance by position and the cost of drafting per system, then what each fleet measured and chose."""
+    base = next((r for r in part["summaries"] if r["system"] == part["baseline"] and r["batch_size"] == 1), None)
+    plain_s = 1.0 / base["decode_throughput_tok_s"] if base and base.get("decode_throughput_tok_s") else None
+    rows = []
+    for r in part["summaries"]:
+        if not r.get("drafted"):
+            continue
+        per_token = r["draft_time_s"] / r["drafted"] if r.get("draft_time_s") is not None else None
+        row = {"system": r["system"], "batch": r["batch_size"],
+               "draft ms / drafted token": None if per_token is None else round(per_token * 1e3, 2),
+               "d (plain decode steps)": None if per_token is None or plain_s is None else round(per_token / plain_s, 3)}
+        for i, a in enumerate(r.get("acceptance_by_position", [])[:8]):
+            row[f"acc@{i + 1}"] = round(a, 3)
+        rows.append(row)
+    lines = []
+    if rows:
+        cols = list(dict.fromkeys(k for row in rows for k in row))
+        lines += ["Drafting cost and acceptance by position (acc@i: share of steps that accepted at least i draft "
+                  "tokens; d: drafting time per drafted token over the baseline's decode time per token, catch-up "
+                  "and first-call prefill of a draft model's cache included):", "", md_table(rows, cols), ""]
+    for s in part["systems"]:
+        for i, state in enumerate(s.get("strategy_state", [])):
+            for name, info in state.items():
+                fleet = info.get("fleet") if isinstance(info, dict) else None
+                if fleet:
+                    lines += _fleet(f"{name} (round {i + 1})", fleet)
+    return lines
+
+
+def _fleet(title: str, f: dict) -> list[str]:
+    """One fleet's own measurements (strategies/fleet.py fleet_report)."""
+    members = list(f["d"])
+    rows = [{"member": m, "share of steps": f["share"].get(m), "calls": f["calls"].get(m),
+             "d (fitted, plain steps)": f["d"].get(m), "d s/token": _round(f["d_s"].get(m), 5),
+             "acceptance by position": ", ".join(f"{a:.2f}" for a in f["acceptance_by_position"].get(m, [])[:8])}
+            for m in members]
+    rows += [{"member": k, "share of steps": f["share"].get(k)} for k in ("merged", "plain")]
+    c = f.get("c")
+    lines = [f"Fleet {title}: {f['request_steps']} request steps, {f['timed_steps']} timed", "",
+             md_table(rows, list(dict.fromkeys(k for row in rows for k in row))), ""]
+    if c:
+        lines += [f"Fitted verification cost c(n) (n draft nodes, in plain steps, batch {f['c_batch']}; plain step "
+                  f"{f['step_s'] * 1e3:.1f} ms): " + ", ".join(f"c({n})={x:.2f}" for n, x in enumerate(c)), ""]
+    return lines
+
+
+def _round(x, digits: int):
+    return None if x is None else round(x, digits)
+
+
 def _part(part: dict, plots: list[Path]) -> list[str]:
     cfg = part["config"]
     sampling = "greedy" if cfg["temperature"] == 0 else \
@@ -88,6 +139,7 @@ def _part(part: dict, plots: list[Path]) -> list[str]:
         lines += ["Time split (seconds summed over requests):", "",
                   md_table(split, ["system", "batch_size", "draft_time_s", "verify_time_s", "steps", "drafted",
                                    "accepted", "strategy_overhead_s", "strategy_overhead_share"]), ""]
+    lines += _speculation(part)
     micro = [{"system": s["label"], "round": i + 1, **m} for s in part["systems"] for i, m in enumerate(s.get("micro", []))]
     if micro:  # the gguf preset's prefill / c(k) / memory figures (bench/gguf_micro.py)
         cols = list(dict.fromkeys(k for row in micro for k in row))

@@ -165,6 +165,9 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
         for b in cfg.batch_sizes:
             timed.run(system, b, prompts, prompt_ids, settings, bar)
+        state = system.strategy_state() if hasattr(system, "strategy_state") else {}
+        if state:  # once per system and round, after all its waves
+            system_info[spec.label].setdefault("strategy_state", []).append(state)
         system.close()
         del system
     system_info = [system_info[s.label] for s in specs if s.label in system_info]

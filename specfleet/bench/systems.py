@@ -159,6 +159,14 @@ class SpecfleetSystem:
                 g.spec["strategy_overhead_s"] = spent / len(gens)
         return gens
 
+    def strategy_state(self) -> dict:
+        """What the composition's strategies learned and measured (core/proposer.describe): for a fleet
+        its members' shares of the steps, their measured d, the fitted c(k), acceptance by position."""
+        from specfleet.core.proposer import describe
+
+        proposer = self.llm.engine.proposer
+        return {} if proposer is None else describe(proposer)
+
     def _overhead(self) -> float:
         from specfleet.core.proposer import total_overhead
 
