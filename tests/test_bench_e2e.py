@@ -206,3 +206,5 @@ def test_bench_reports_drafting_costs_and_the_fleets_own_measurements(tiny_pair,
     assert "Drafting cost and acceptance by position" in md and "acc@1" in md
     assert f"| specfleet:{draft},k=3 | 1 |" in md  # the single draft's d and acceptance row
     assert "Fleet fleet(" in md and "| prompt-lookup |" in md and "| plain |" in md
+    # the tiny vocabulary lies below both cuts: every token of the baseline is covered
+    assert part["head_vocab_coverage"] == {"32768": 1.0, "65536": 1.0} and "N=65536: 1.0000" in md

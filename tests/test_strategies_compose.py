@@ -10,7 +10,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.core.proposer import describe
 from specfleet.strategies.grammar import parse
 from specfleet.drafting.draft_model import DraftModelProposer
-from specfleet.strategies.factory import ModelCache, SpecConfig, build, build_proposer, layer_cut
+from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB, ModelCache, SpecConfig, build, build_proposer, layer_cut
 from specfleet.strategies.length import LengthController
 from specfleet.drafting.ngram_model import NgramProposer
 from specfleet.drafting.prompt_lookup import PromptLookupProposer
@@ -100,6 +100,9 @@ def test_draft_options_and_defaults(drafts):
     # an optional field left at None takes its declared type (head_vocab: int | None), and none unsets it
     d = make("d1[head_vocab=40]", drafts)
     assert d.config.head_vocab == 40
+    # a same-vocabulary draft drafts over the first DEFAULT_HEAD_VOCAB ids unless told otherwise
+    assert make("d1", drafts).config.head_vocab == DEFAULT_HEAD_VOCAB
+    assert make("d1[head_vocab=none]", drafts).config.head_vocab is None
     with pytest.raises(InvalidRequestError, match="head_vocab='many': expected int"):
         make("d1[head_vocab=many]", drafts)
 

@@ -70,6 +70,10 @@ def _speculation(part: dict) -> list[str]:
             row[f"acc@{i + 1}"] = round(a, 3)
         rows.append(row)
     lines = []
+    cov = part.get("head_vocab_coverage")
+    if cov:
+        lines += ["Head coverage (share of the baseline's output tokens a draft head over the first N token ids "
+                  "could propose): " + ", ".join(f"N={n}: {c:.4f}" for n, c in cov.items()), ""]
     if rows:
         cols = list(dict.fromkeys(k for row in rows for k in row))
         lines += ["Drafting cost and acceptance by position (acc@i: share of steps that accepted at least i draft "

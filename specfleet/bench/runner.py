@@ -25,6 +25,7 @@ from specfleet.bench.roofline import measure_bandwidth, weight_bytes_per_step
 from specfleet.bench.systems import Settings, SpecfleetSystem, SystemSpec, parse_system
 from specfleet.errors import SpecfleetError
 from specfleet.runtime.build import parse_device, parse_dtype
+from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB
 
 
 class ModelPool:
@@ -174,13 +175,14 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     pool.keep_only(set())
     bar.close()
     timed.mark_matches(baseline, prompts)
+    coverage = timed.head_coverage(baseline)
     summaries = timed.summaries(specs, cfg.batch_sizes)
     metrics.add_speedups(summaries, baseline)
     metrics.add_roofline(summaries, bound)
     return {"name": cfg.name, "config": asdict(cfg), "chat_template": is_chat, "baseline": baseline,
             "systems": system_info, "weight_bytes_per_step": weight_bytes, "roofline_tok_s": bound,
             "prompts": [{"id": p.prompt_id, "prompt_tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
-            "summaries": summaries, "skipped": timed.skipped, "requests": [r.as_dict() for r in timed.requests]}
+            "summaries": summaries, "head_vocab_coverage": coverage, "skipped": timed.skipped, "requests": [r.as_dict() for r in timed.requests]}
 
 
 class _Timings:
@@ -221,6 +223,12 @@ class _Timings:
             ref = self.outputs.get((baseline, r.batch_size, index[r.prompt_id]))
             if ref is not None and r.system != baseline:
                 r.matches_baseline = self.outputs[(r.system, r.batch_size, index[r.prompt_id])] == ref
+
+    def head_coverage(self, baseline: str | None, cuts=(32768, DEFAULT_HEAD_VOCAB)) -> dict[str, float]:
+        """Share of the baseline's output tokens below each head cut: how often a draft with that reduced
+        head could have proposed the token the target produced (strategies/factory.py DEFAULT_HEAD_VOCAB)."""
+        ids = [t for (system, _, _), out in self.outputs.items() if system == baseline for t in out]
+        return {str(n): round(sum(t < n for t in ids) / len(ids), 4) for n in cuts} if ids else {}
 
     def summaries(self, specs: list[SystemSpec], batch_sizes) -> list[dict]:
         rows = []

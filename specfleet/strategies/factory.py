@@ -28,6 +28,15 @@ from specfleet.drafting.staged import StagedConfig, StagedProposer
 from specfleet.drafting.suffix import SuffixConfig, SuffixProposer
 from specfleet.strategies.vote import VoteConfig, VoteProposer
 
+# A same-vocabulary draft model's head covers only the first DEFAULT_HEAD_VOCAB token ids unless its spec
+# says otherwise (`qwen-0.5b[head_vocab=none]` for the whole vocabulary): byte-level BPE ids come in merge
+# order, so the low ids are the common tokens. Lossless either way (the target verifies every token; a
+# token past the cut is simply never proposed). Measured for Qwen2.5's 151936-token vocabulary: the cut
+# reads 43 % of the 0.5B's Q8_0 head (3.4 ms instead of 8.4 ms of a ~35 ms draft step) and covers 99.2 % of
+# the tokens of HumanEval's reference solutions and 97.8 % of ShareGPT's first replies (32768 ids: 96.4 % /
+# 93.1 %); the fleet preset reports the coverage of the target's own outputs in every run.
+DEFAULT_HEAD_VOCAB = 65536
+
 LoadModel = Callable[..., object]  # (name, quantization=None) -> model
 LOOKUP_NAMES = ("prompt-lookup", "lookup")
 LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
@@ -167,7 +176,11 @@ class _Builder:
         # a model of another vocabulary drafts through text
         cross = cross_vocab_draft(model, node.name, label, cfg, self.vocab, self.target_tokenizer, self.load_model,
                                   self.device)
-        return cross if cross is not None else DraftModelProposer(model, label, cfg, self.vocab, self.device)
+        if cross is not None:
+            return cross
+        if "head_vocab" not in options:  # a same-vocabulary draft drafts over the common tokens by default
+            cfg = replace(cfg, head_vocab=DEFAULT_HEAD_VOCAB)
+        return DraftModelProposer(model, label, cfg, self.vocab, self.device)
 
     def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
         key = (cfg.order, cfg.min_count, cfg.path)  # one set of tables per distinct setting, shared
