@@ -171,13 +171,41 @@ class FakeDraft:
         pass
 
 
-def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0):
+class CachedDraft(FakeDraft):
+    """A FakeDraft with a draft cache: each token it has not seen costs `per_gap` to feed, in `prepare`
+    or at the start of `propose` (a draft model's prompt prefill and catch-up)."""
+
+    def __init__(self, *args, per_gap=0.0, **kw):
+        super().__init__(*args, **kw)
+        self.per_gap, self.cached = per_gap, {}
+
+    def _feed(self, r, upto):
+        have = self.cached.get(r.request_id, 0)
+        self.clock.now += self.per_gap * max(0, upto - have)
+        self.cached[r.request_id] = max(have, upto)
+
+    def prepare(self, requests):
+        for r in requests:
+            self._feed(r, r.num_tokens - 1)
+
+    def propose(self, requests):
+        for r in requests:
+            self._feed(r, r.num_tokens)
+        return super().propose(requests)
+
+
+def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
+             prompt=5, catch_up=0.0):
     """A target whose step costs step * (batch + node_cost * nodes) on the fake clock."""
     clock = Clock()
     cheap = FakeDraft("cheap", clock, cheap_accuracy, 0.0, k=6, seed=1)
-    model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
+    if catch_up:
+        model = CachedDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2,
+                            per_gap=catch_up * step)
+    else:
+        model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32), clock=clock)
-    reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(5 + i)]) for i in range(batch)]
+    reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
     late = {"model": 0, "cheap": 0, "merged": 0, "plain": 0}
     for s in range(steps):
         before = dict(fleet.chosen)
@@ -216,6 +244,19 @@ def test_model_draft_called_when_it_pays_more():
     fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05)
     assert share["model"] > 0.9, share
     assert fleet.fleet_report()["acceptance_by_position"]["model"][0] == pytest.approx(0.9, abs=0.1)
+
+
+def test_a_draft_models_prompt_catch_up_is_an_investment_not_its_cost_per_token():
+    """A 1000-token prompt costs the model 0.02 steps per token to feed once (20 steps); after that it
+    drafts at 0.05 steps per token plus its per-step catch-up (the accepted tokens, ~0.025 a drafted
+    token) and pays. The prompt's feed is timed apart from drafting (on a real CPU, folding it into the
+    per-call cost made the 0.5B look 4 plain steps per token dear and the fleet stopped calling it)."""
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05, prompt=1000,
+                                   catch_up=0.02)
+    assert share["model"] > 0.9, share
+    report = fleet.fleet_report()
+    assert report["catch_up_s_per_token"]["model"] == pytest.approx(0.02, rel=0.01)
+    assert report["d"]["model"] < 0.085  # per drafted token; 0.096 with the prompt's feed folded in
 
 
 def test_no_speculation_when_nothing_pays():

@@ -184,6 +184,27 @@ class DraftCost:
         return max(pred, 0.1 * mean)
 
 
+class CatchUpCost:
+    """Seconds a draft model takes per token to catch its cache up (a prompt, or a long absence)."""
+
+    def __init__(self):
+        self.total_s = 0.0
+        self.tokens = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self.total_s += seconds
+            self.tokens += tokens
+
+    @property
+    def per_token(self) -> float:
+        return self.total_s / self.tokens if self.tokens else 0.0
+
+    def seconds(self, tokens: int) -> float:
+        """Expected seconds to catch up `tokens` tokens (0 before any catch-up was timed)."""
+        return self.per_token * max(tokens, 0)
+
+
 class Acceptance:
     def __init__(self, prior: tuple[float, float] = (1.0, 1.0), shrink: float = 2.0, decay: float = 0.99,
                  max_depth: int = 16, max_rank: int = 4, num_contexts: int = 5):

@@ -50,9 +50,10 @@ import time
 from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
-from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes, outcomes
+from specfleet.strategies.costs import Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes, outcomes
 from specfleet.strategies.length import prune_depth
-from specfleet.core.proposer import Feedback, Proposer, model_size, set_speculation_length, speculation_length
+from specfleet.core.proposer import (Feedback, PreparesKV, Proposer, model_size, set_speculation_length,
+                                     speculation_length)
 from specfleet.core.tree import DraftTree
 
 MERGED = -1  # the member index of a merged tree
@@ -95,6 +96,15 @@ class _Pending:
     ctx: list[int]  # each member's context when drafted
     candidates: list[tuple[int, DraftTree]] = field(default_factory=list)
     verified: Option | None = None
+
+
+def remaining_tokens(r) -> int:
+    """Tokens the request may still generate (its max_tokens less what it has; at least 1)."""
+    params = getattr(r, "params", None)
+    limit = getattr(params, "max_tokens", None)
+    if limit is None:
+        return 1
+    return max(1, limit - (r.num_tokens - len(r.prompt_token_ids)))
 
 
 def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
@@ -166,6 +176,7 @@ class FleetProposer:
         self.acceptance = [Acceptance(shrink=cfg.shrink, decay=cfg.decay, num_contexts=CONTEXT_CAP + 2)
                            for _ in members]
         self.draft_costs = [DraftCost(cfg.window) for _ in members]
+        self.catch_up = [CatchUpCost() for _ in members]  # an expensive member's cache catching up, per token
         self.steps = StepCosts(cfg.window, prior_node_cost=cfg.prior_node_cost)
         self.cap: int | None = None  # a depth cap set from outside (+adaptive)
         self._ctx: dict[str, list[int]] = {}  # request id -> context per member
@@ -284,6 +295,7 @@ class FleetProposer:
         member = self.members[j]
         if k is not None:
             set_speculation_length(member, k)
+            self._catch_up(j, requests)
         gap = sum(r.num_tokens - self._seen.get((r.request_id, j), 0) for r in requests) / len(requests)
         t0 = self.clock()
         trees = member.propose(requests)
@@ -299,6 +311,27 @@ class FleetProposer:
                 tree = prune_depth(tree, self.cap)
             if tree is not None and len(tree):
                 cands[r.request_id].append((j, tree))
+
+    def _far(self, j: int) -> int:
+        """How many tokens behind an expensive member's cache is 'far': its first call for a request (the
+        whole prompt) or a return after a long absence, rather than a step's usual catch-up."""
+        return 2 * self.max_k[j] + 2
+
+    def _catch_up(self, j: int, requests: list) -> None:
+        """Bring member j's cache up to the committed tokens of the requests far behind, timed apart from
+        drafting: that cost is paid once per request (an investment the later steps share, see
+        _expected_chain), so folding it into the per-call drafting cost made a draft model look several
+        plain steps per token dear after its first calls, and the fleet then never chose it."""
+        member = self.members[j]
+        far = [r for r in requests if r.num_tokens - self._seen.get((r.request_id, j), 0) > self._far(j)]
+        if not far or not isinstance(member, PreparesKV):
+            return
+        tokens = sum(r.num_tokens - 1 - self._seen.get((r.request_id, j), 0) for r in far)
+        t0 = self.clock()
+        member.prepare(far)
+        self.catch_up[j].add(self.clock() - t0, tokens)
+        for r in far:
+            self._seen[(r.request_id, j)] = r.num_tokens - 1
 
     def _best(self, r, cands: list, fixed: float, planned: int, untrimmed: bool) -> Option:
         """The candidate (trimmed) of best rate; an empty Option (plain decoding) when none."""
@@ -325,12 +358,18 @@ class FleetProposer:
         """(depth, rate) of the best chain member j is expected to draft for `r`."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
         gap = r.num_tokens - self._seen.get((r.request_id, j), 0)
+        invest = 0.0
+        if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
+            invest = self.catch_up[j].seconds(gap - 1)
+            gap = 1
         kmax = min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
         best_k, best_rate, e, path = 1, 0.0, 1.0, 1.0
         for k in range(1, max(kmax, 1) + 1):
             path *= acc.p(ctx, k, 0)
             e += path
             draft = self.draft_costs[j].per_request(k, gap) if self.steps.measured else 0.0
+            if invest:
+                draft += invest / max(1.0, remaining_tokens(r) / e)
             rate = e / (fixed + draft + self.steps.marginal(self._last_batch, planned, k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -388,6 +427,8 @@ class FleetProposer:
             "request_steps": self.num_request_steps,
             "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
             "d_s": {m.name: self.draft_costs[j].d for j, m in enumerate(self.members)},
+            "catch_up_s_per_token": {m.name: self.catch_up[j].per_token for j in self.expensive
+                                     for m in [self.members[j]] if self.catch_up[j].tokens},
             "d": {m.name: round(self.draft_costs[j].d / unit, 4) if unit else None for j, m in enumerate(self.members)},
             "calls": {m.name: self.draft_costs[j].calls for j, m in enumerate(self.members)},
             "c": [round(x, 4) for x in self.steps.c(max_nodes, batch)] if self.steps.measured else None,
