@@ -15,7 +15,9 @@ CPU. So the fleet, every step, for every request:
    children's summing to at most 1;
 2. predicts what each expensive member (a draft model, or any member with weights) would give: its
    chain's expected tokens by depth, at the depth k of best rate, its drafting time fitted from its
-   own calls (costs.DraftCost) included. It is called, for the requests where that rate beats both the
+   own calls (costs.DraftCost) included; a request its cache is far behind (the prompt, on its first
+   call) is first caught up in a separately timed `prepare`, and that one-off cost (costs.CatchUpCost)
+   is spread over the request's remaining steps. It is called, for the requests where that rate beats both the
    best cheap rate and plain decoding, with the largest k they want; then its trees compete with the
    cheap ones (its drafting time is spent by then);
 3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
