@@ -93,6 +93,7 @@ def _fleet(title: str, f: dict) -> list[str]:
     members = list(f["d"])
     rows = [{"member": m, "share of steps": f["share"].get(m), "calls": f["calls"].get(m),
              "d (fitted, plain steps)": f["d"].get(m), "d s/token": _round(f["d_s"].get(m), 5),
+             "catch-up s/token": _round(f.get("catch_up_s_per_token", {}).get(m), 5),
              "acceptance by position": ", ".join(f"{a:.2f}" for a in f["acceptance_by_position"].get(m, [])[:8])}
             for m in members]
     rows += [{"member": k, "share of steps": f["share"].get(k)} for k in ("merged", "plain")]
