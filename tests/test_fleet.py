@@ -107,11 +107,13 @@ def test_merge_keeps_every_branch_and_bounds_siblings():
 @dataclass
 class FakeParams:
     is_greedy: bool = True
+    max_tokens: int = 100_000  # a long horizon: a catch-up is spread over many steps
 
 
 class FakeRequest:
     def __init__(self, rid, tokens):
         self.request_id, self.tokens, self.params = rid, list(tokens), FakeParams()
+        self.prompt_token_ids = list(tokens)
 
     @property
     def all_token_ids(self):
@@ -195,7 +197,7 @@ class CachedDraft(FakeDraft):
 
 
 def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
-             prompt=5, catch_up=0.0):
+             prompt=5, catch_up=0.0, max_tokens=100_000):
     """A target whose step costs step * (batch + node_cost * nodes) on the fake clock."""
     clock = Clock()
     cheap = FakeDraft("cheap", clock, cheap_accuracy, 0.0, k=6, seed=1)
@@ -206,6 +208,8 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
         model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32), clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
+    for r in reqs:
+        r.params.max_tokens = max_tokens
     late = {"model": 0, "cheap": 0, "merged": 0, "plain": 0}
     for s in range(steps):
         before = dict(fleet.chosen)
@@ -257,6 +261,16 @@ def test_a_draft_models_prompt_catch_up_is_an_investment_not_its_cost_per_token(
     report = fleet.fleet_report()
     assert report["catch_up_s_per_token"]["model"] == pytest.approx(0.02, rel=0.01)
     assert report["d"]["model"] < 0.085  # per drafted token; 0.096 with the prompt's feed folded in
+
+
+def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
+    """The model does not pay; once its catch-up cost is timed (2 steps per token here), a forced
+    re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
+    plain step per token the request may still generate: only the first call, on the prompt, is made."""
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
+                                   prompt=1000, catch_up=2.0, max_tokens=300)
+    assert share["plain"] > 0.9, share
+    assert model.calls == 1
 
 
 def test_no_speculation_when_nothing_pays():

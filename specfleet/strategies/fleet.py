@@ -27,7 +27,8 @@ Learning: after the step, every point-mass candidate (chosen or not) is scored a
 step committed: with point masses, a node is accepted exactly when the committed token at its depth
 spells its path, so unchosen drafts keep learning (and greedy and sampled requests alike). A tree with
 draft distributions (a sampled model chain) learns only from its own verification. Every
-`explore_every` steps each expensive member is called for every request at its full depth and the
+`explore_every` steps each expensive member is called for every request at its full depth (except
+requests whose timed catch-up would cost more than a tenth of a plain step per remaining token) and the
 cheap trees go untrimmed, so its acceptance and the cost of longer trees are re-measured; while no
 request would have called it on its estimates, the interval doubles (up to 16x), so a draft that does not
 pay costs ever less to keep watching.
@@ -225,7 +226,7 @@ class FleetProposer:
                 pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
                 if pays:
                     wanted.add(j)
-                if pays or j in explore:
+                if pays or (j in explore and not self._costly_catch_up(r, j)):
                     groups[j].append((r, k))
             planned += len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
@@ -318,6 +319,19 @@ class FleetProposer:
         """How many tokens behind an expensive member's cache is 'far': its first call for a request (the
         whole prompt) or a return after a long absence, rather than a step's usual catch-up."""
         return 2 * self.max_k[j] + 2
+
+    def _costly_catch_up(self, r, j: int) -> bool:
+        """Whether calling member j for `r` would first mean a catch-up (a new request's prompt, a long
+        absence) whose known cost, spread over the tokens the request may still generate, exceeds a
+        tenth of a plain step each: a forced re-measurement does not pay for that (a call the estimates
+        choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
+        prompt prefill each, 10 % of the fleet's time (fleet-cpu-20261123T222014Z); with a long horizon
+        ahead the re-measurement stays cheap and keeps an early, pessimistic estimate from sticking."""
+        gap = r.num_tokens - self._seen.get((r.request_id, j), 0)
+        if not self.catch_up[j].tokens or gap <= self._far(j) or not self.steps.measured:
+            return False
+        per_step = self.catch_up[j].seconds(gap - 1) / remaining_tokens(r)
+        return per_step > 0.1 * self.steps.share(self._last_batch)
 
     def _catch_up(self, j: int, requests: list) -> None:
         """Bring member j's cache up to the committed tokens of the requests far behind, timed apart from
