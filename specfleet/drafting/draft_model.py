@@ -32,9 +32,10 @@ from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model import DecoderLM
 from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
+from specfleet.core.verify import draw
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.sampling import GeneratorStore, sample_from, target_probs
+from specfleet.runtime.sampling import GeneratorStore, target_probs
 
 
 @dataclass
@@ -207,7 +208,7 @@ class DraftModelProposer:
                     tokens[i].append(int(logits[i].argmax()))
                 else:
                     q = target_probs(logits[i:i + 1], r.params)[0]
-                    tokens[i].append(sample_from(q, self.generators.get(r)))
+                    tokens[i].append(draw(q, self.generators.get(r)))
                     # verification needs q over the whole vocabulary; tokens past a cut head have q = 0
                     probs[i].append(torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[0])))
             if step == k - 1:

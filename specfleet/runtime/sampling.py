@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from specfleet.core.verify import draw
 from specfleet.sampling_params import SamplingParams
 
 
@@ -38,11 +37,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [vocab] distribution with the request's own generator (core/verify.py `draw`)."""
-    return draw(probs, generator)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
 from specfleet.strategies.costs import Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes, outcomes
+from specfleet.strategies.fleet_trees import best_subtree, merge_trees, subtree
 from specfleet.strategies.length import prune_depth
 from specfleet.core.proposer import (Feedback, PreparesKV, Proposer, model_size, set_speculation_length,
                                      speculation_length)
@@ -103,60 +104,7 @@ class _Pending:
 
 def remaining_tokens(r) -> int:
     """Tokens the request may still generate (its max_tokens less what it has; at least 1)."""
-    params = getattr(r, "params", None)
-    limit = getattr(params, "max_tokens", None)
-    if limit is None:
-        return 1
-    return max(1, limit - (r.num_tokens - len(r.prompt_token_ids)))
-
-
-def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The nodes `keep` (sorted, closed under ancestors) re-indexed into a tree."""
-    if len(keep) == len(tree):
-        return tree
-    index = {old: new for new, old in enumerate(keep)}
-    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    return DraftTree([tree.token_ids[j] for j in keep], [index[tree.parents[j]] if tree.parents[j] >= 0 else -1
-                                                        for j in keep], [tree.origins[j] for j in keep], probs)
-
-
-def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], float, float]:
-    """(nodes, E[tokens], cost) of the ancestor-closed node set of best E / cost, where verifying m
-    nodes costs fixed + extra(m); the empty set (plain decoding) included."""
-    order = sorted(range(len(probs)), key=lambda j: (-probs[j], j))
-    best, e = (0, 1.0, fixed), 1.0
-    for m, j in enumerate(order, 1):
-        e += probs[j]
-        cost = fixed + extra(m)
-        if e * best[2] > best[1] * cost:
-            best = (m, e, cost)
-    return sorted(order[:best[0]]), best[1], best[2]
-
-
-def merge_trees(trees: list[DraftTree], probs: list[list[float]]) -> tuple[DraftTree, list[float]]:
-    """The prefix-tree union of point-mass trees and its nodes' path probabilities (see the module doc)."""
-    tokens, parents, origins, cond = [], [], [], []
-    index: dict[tuple[int, int], int] = {}
-    for tree, p in zip(trees, probs):
-        mine: list[int] = []
-        for j, (par, tok) in enumerate(zip(tree.parents, tree.token_ids)):
-            mp = mine[par] if par >= 0 else -1
-            a = p[j] / p[par] if par >= 0 and p[par] > 0 else (p[j] if par < 0 else 0.0)
-            node = index.get((mp, tok))
-            if node is None:
-                node = index[(mp, tok)] = len(tokens)
-                tokens.append(tok), parents.append(mp), origins.append(tree.origins[j]), cond.append(a)
-            else:
-                cond[node] = max(cond[node], a)
-            mine.append(node)
-    sums: dict[int, float] = {}
-    for par, a in zip(parents, cond):
-        sums[par] = sums.get(par, 0.0) + a
-    path: list[float] = []
-    for j, par in enumerate(parents):
-        a = cond[j] / max(sums[par], 1.0)
-        path.append((path[par] if par >= 0 else 1.0) * a)
-    return DraftTree(tokens, parents, origins), path
+    return max(1, r.params.max_tokens - (r.num_tokens - len(r.prompt_token_ids)))
 
 
 class FleetProposer:
@@ -299,7 +247,7 @@ class FleetProposer:
         if k is not None:
             set_speculation_length(member, k)
             self._catch_up(j, requests)
-        gap = sum(r.num_tokens - self._seen.get((r.request_id, j), 0) for r in requests) / len(requests)
+        gap = sum(self._gap(r, j) for r in requests) / len(requests)
         t0 = self.clock()
         trees = member.propose(requests)
         dt = self.clock() - t0
@@ -315,6 +263,10 @@ class FleetProposer:
             if tree is not None and len(tree):
                 cands[r.request_id].append((j, tree))
 
+    def _gap(self, r, j: int) -> int:
+        """Tokens of `r` that member j's cache has not been fed (all of them before its first call)."""
+        return r.num_tokens - self._seen.get((r.request_id, j), 0)
+
     def _far(self, j: int) -> int:
         """How many tokens behind an expensive member's cache is 'far': its first call for a request (the
         whole prompt) or a return after a long absence, rather than a step's usual catch-up."""
@@ -327,7 +279,7 @@ class FleetProposer:
         choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
         prompt prefill each, 10 % of the fleet's time (fleet-cpu-20261123T222014Z); with a long horizon
         ahead the re-measurement stays cheap and keeps an early, pessimistic estimate from sticking."""
-        gap = r.num_tokens - self._seen.get((r.request_id, j), 0)
+        gap = self._gap(r, j)
         if not self.catch_up[j].tokens or gap <= self._far(j) or not self.steps.measured:
             return False
         per_step = self.catch_up[j].seconds(gap - 1) / remaining_tokens(r)
@@ -339,10 +291,10 @@ class FleetProposer:
         _expected_chain), so folding it into the per-call drafting cost made a draft model look several
         plain steps per token dear after its first calls, and the fleet then never chose it."""
         member = self.members[j]
-        far = [r for r in requests if r.num_tokens - self._seen.get((r.request_id, j), 0) > self._far(j)]
+        far = [r for r in requests if self._gap(r, j) > self._far(j)]
         if not far or not isinstance(member, PreparesKV):
             return
-        tokens = sum(r.num_tokens - 1 - self._seen.get((r.request_id, j), 0) for r in far)
+        tokens = sum(self._gap(r, j) - 1 for r in far)
         t0 = self.clock()
         member.prepare(far)
         self.catch_up[j].add(self.clock() - t0, tokens)
@@ -373,7 +325,7 @@ class FleetProposer:
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float]:
         """(depth, rate) of the best chain member j is expected to draft for `r`."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
-        gap = r.num_tokens - self._seen.get((r.request_id, j), 0)
+        gap = self._gap(r, j)
         invest = 0.0
         if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
             invest = self.catch_up[j].seconds(gap - 1)

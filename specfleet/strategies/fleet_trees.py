@@ -1,0 +1,54 @@
+"""Tree arithmetic of the fleet (strategies/fleet.py): trimming a candidate to its node set of best
+expected tokens per cost, and the Minions-style union of point-mass trees with path probabilities."""
+from __future__ import annotations
+
+from specfleet.core.tree import DraftTree
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (sorted, closed under ancestors) re-indexed into a tree."""
+    if len(keep) == len(tree):
+        return tree
+    index = {old: new for new, old in enumerate(keep)}
+    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
+    return DraftTree([tree.token_ids[j] for j in keep], [index[tree.parents[j]] if tree.parents[j] >= 0 else -1
+                                                        for j in keep], [tree.origins[j] for j in keep], probs)
+
+
+def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], float, float]:
+    """(nodes, E[tokens], cost) of the ancestor-closed node set of best E / cost, where verifying m
+    nodes costs fixed + extra(m); the empty set (plain decoding) included."""
+    order = sorted(range(len(probs)), key=lambda j: (-probs[j], j))
+    best, e = (0, 1.0, fixed), 1.0
+    for m, j in enumerate(order, 1):
+        e += probs[j]
+        cost = fixed + extra(m)
+        if e * best[2] > best[1] * cost:
+            best = (m, e, cost)
+    return sorted(order[:best[0]]), best[1], best[2]
+
+
+def merge_trees(trees: list[DraftTree], probs: list[list[float]]) -> tuple[DraftTree, list[float]]:
+    """The prefix-tree union of point-mass trees and its nodes' path probabilities (see the module doc)."""
+    tokens, parents, origins, cond = [], [], [], []
+    index: dict[tuple[int, int], int] = {}
+    for tree, p in zip(trees, probs):
+        mine: list[int] = []
+        for j, (par, tok) in enumerate(zip(tree.parents, tree.token_ids)):
+            mp = mine[par] if par >= 0 else -1
+            a = p[j] / p[par] if par >= 0 and p[par] > 0 else (p[j] if par < 0 else 0.0)
+            node = index.get((mp, tok))
+            if node is None:
+                node = index[(mp, tok)] = len(tokens)
+                tokens.append(tok), parents.append(mp), origins.append(tree.origins[j]), cond.append(a)
+            else:
+                cond[node] = max(cond[node], a)
+            mine.append(node)
+    sums: dict[int, float] = {}
+    for par, a in zip(parents, cond):
+        sums[par] = sums.get(par, 0.0) + a
+    path: list[float] = []
+    for j, par in enumerate(parents):
+        a = cond[j] / max(sums[par], 1.0)
+        path.append((path[par] if par >= 0 else 1.0) * a)
+    return DraftTree(tokens, parents, origins), path
