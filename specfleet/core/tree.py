@@ -47,6 +47,15 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def subtree(self, keep: list[int]) -> "DraftTree":
+        """The nodes `keep` (sorted, closed under ancestors) re-indexed into a tree (self when all)."""
+        if len(keep) == len(self):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree([self.token_ids[j] for j in keep], [index[self.parents[j]] if self.parents[j] >= 0 else -1
+                                                             for j in keep], [self.origins[j] for j in keep], probs)
+
     @property
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))

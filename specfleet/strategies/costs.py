@@ -80,6 +80,8 @@ class StepCosts:
         self.prior_node_cost = prior_node_cost
         self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self._slope: tuple[float | None] | None = None  # the fitted node slope, until the next step is added
+        self._memo: dict[tuple[int, int], float] = {}  # step_time answers, until the next step is added
         self.num_observations = 0
 
     @property
@@ -92,6 +94,8 @@ class StepCosts:
         cell[0] += (seconds - cell[0]) / min(cell[1], self.cell_memory)
         self.fit.add((1.0, batch, nodes), seconds)
         self._curves.pop(batch, None)
+        self._slope = None
+        self._memo.clear()
         self.num_observations += 1
 
     def _curve(self, batch: int) -> tuple[list[int], list[float]]:
@@ -102,19 +106,27 @@ class StepCosts:
         return self._curves[batch]
 
     def _fit_slope(self) -> float | None:
-        theta = self.fit.theta
-        return max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None
+        if self._slope is None:  # asked dozens of times per step: fitted once per added step
+            theta = self.fit.theta
+            self._slope = (max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None,)
+        return self._slope[0]
 
     def step_time(self, batch: int, nodes: int) -> float:
         """Estimated seconds of a step (step units while nothing has been measured)."""
         if not self.measured:
             return batch + self.prior_node_cost * nodes
+        key = (batch, nodes)
+        if key not in self._memo:  # asked for the same few sizes many times per step
+            self._memo[key] = self._step_time(batch, nodes)
+        return self._memo[key]
+
+    def _step_time(self, batch: int, nodes: int) -> float:
         if batch not in self.cells:
             pred = self.fit.predict((1.0, batch, nodes))
             base = self.fit.predict((1.0, batch, 0))
             if pred is None or base is None or base <= 0:  # extrapolating to a batch never seen: scale
                 near = min(self.cells, key=lambda b: abs(b - batch))
-                return self.step_time(near, nodes) * batch / near
+                return self._step_time(near, nodes) * batch / near
             return max(pred, base)
         xs, ys = self._curve(batch)
         fitted = self._fit_slope()

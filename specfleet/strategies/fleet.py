@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
 from specfleet.strategies.costs import Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes, outcomes
-from specfleet.strategies.fleet_trees import best_subtree, merge_trees, subtree
+from specfleet.strategies.fleet_trees import best_subtree, merge_trees
 from specfleet.strategies.length import prune_depth
 from specfleet.core.proposer import (Feedback, PreparesKV, Proposer, model_size, set_speculation_length,
                                      speculation_length)
@@ -317,7 +317,7 @@ class FleetProposer:
                 cost = fixed + extra(len(tree))
             else:
                 keep, e, cost = best_subtree(probs, fixed, extra)
-            opt = Option(j, subtree(tree, keep), e, cost)
+            opt = Option(j, tree.subtree(keep), e, cost)
             if len(opt.tree) and (not len(best.tree) or opt.rate > best.rate):
                 best = opt
         return best

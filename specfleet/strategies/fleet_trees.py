@@ -5,16 +5,6 @@ from __future__ import annotations
 from specfleet.core.tree import DraftTree
 
 
-def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The nodes `keep` (sorted, closed under ancestors) re-indexed into a tree."""
-    if len(keep) == len(tree):
-        return tree
-    index = {old: new for new, old in enumerate(keep)}
-    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    return DraftTree([tree.token_ids[j] for j in keep], [index[tree.parents[j]] if tree.parents[j] >= 0 else -1
-                                                        for j in keep], [tree.origins[j] for j in keep], probs)
-
-
 def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], float, float]:
     """(nodes, E[tokens], cost) of the ancestor-closed node set of best E / cost, where verifying m
     nodes costs fixed + extra(m); the empty set (plain decoding) included."""

@@ -89,13 +89,7 @@ class LengthConfig:
 def prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """The nodes at depth <= max_depth (closed under ancestors, so still a valid tree)."""
     depths = tree.depths()
-    keep = [j for j, d in enumerate(depths) if d <= max_depth]
-    if len(keep) == len(tree):
-        return tree
-    index = {old: new for new, old in enumerate(keep)}
-    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    return DraftTree([tree.token_ids[j] for j in keep], [index.get(tree.parents[j], -1) for j in keep],
-                     [tree.origins[j] for j in keep], probs)
+    return tree.subtree([j for j, d in enumerate(depths) if d <= max_depth])
 
 
 def fitted_slope(ys: list[float], ws: list[float] | None = None) -> float:
