@@ -179,3 +179,17 @@ def test_checks_and_markdown():
                           "parts": [part]}, {})
     assert "**PASS** spec beats ar: 1.50x" in md and "not measured" in md
     assert "10.0 GB/s" in md and "at most 5.00 tok/s" in md and "| spec | 1 | 3.000 |" in md
+
+
+def test_overrides_that_no_part_can_run_fail_before_anything_runs():
+    """--systems applies to every part: llama.cpp (greedy only) in a sampled part is refused up front, not
+    after the greedy parts have run for half an hour."""
+    from dataclasses import replace
+
+    preset = PRESETS["fleet"]
+    sampled = [r for r in preset.runs if r.temperature != 0]
+    assert sampled, "the fleet preset has sampled parts"
+    runs = [replace(r, systems=("specfleet:none", "llamacpp")) for r in preset.runs]
+    with pytest.raises(SpecfleetError, match=f"part {sampled[0].name}: the llama.cpp system is measured greedy only"):
+        validate(replace(preset, runs=runs))
+    validate(replace(preset, runs=[r for r in runs if r.temperature == 0]))

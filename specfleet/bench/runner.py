@@ -84,6 +84,9 @@ def validate(preset: Preset) -> None:
             raise SpecfleetError(f"part {cfg.name}: --max-tokens, --num-prompts and --rounds must be at least 1")
         if cfg.chat not in ("auto", "on", "off"):
             raise SpecfleetError(f"part {cfg.name}: --chat must be auto, on or off, got {cfg.chat!r}")
+        if cfg.temperature != 0 and any(s.kind == "llamacpp" for s in specs):
+            raise SpecfleetError(f"part {cfg.name}: the llama.cpp system is measured greedy only, and this part "
+                                 f"samples at temperature {cfg.temperature}: leave llamacpp out of its systems")
         parse_dtype(cfg.dtype)
         parse_device(cfg.device)
 
