@@ -23,11 +23,13 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-# The default draft of the default model, per device. On the CPU the suffix-tree draft (weightless, d ~ 0)
-# won the fleet preset's HumanEval part: 1.15x plain decoding against 0.89x for the 0.5B draft
-# (benchmarks/results/fleet-cpu-20261123T165839Z; 1.17x against 1.01x in fleet-cpu-20261123T114859Z), which
-# spends ~40 % of every step drafting there. On a GPU the 0.5B is the classic choice (not measured here).
-DEFAULT_DRAFT = {"cpu": "suffix", "cuda": "qwen2.5-coder-0.5b-instruct"}
+# The default draft of the default model, per device. On the CPU, weightless drafts (d ~ 0) win: the 0.5B
+# draft costs about half a target step per token there and at best breaks even (0.93-0.99x). The fleet of
+# the suffix-tree draft and prompt lookup, trimmed per step to what verification costs on the machine, made
+# 1.20x / 1.11x / 1.13x plain decoding on the fleet preset's HumanEval, ShareGPT and HumanEval-t0.7 parts
+# against 1.16x / 1.11x / 1.12x for suffix alone (benchmarks/results/fleet-cpu-20261124T004215Z, two
+# rounds, and fleet-cpu-20261124T010317Z). On a GPU the 0.5B is the classic choice (not measured here).
+DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup)", "cuda": "qwen2.5-coder-0.5b-instruct"}
 
 
 def default_draft(model: str, device) -> str | None:

@@ -193,3 +193,13 @@ def test_overrides_that_no_part_can_run_fail_before_anything_runs():
     with pytest.raises(SpecfleetError, match=f"part {sampled[0].name}: the llama.cpp system is measured greedy only"):
         validate(replace(preset, runs=runs))
     validate(replace(preset, runs=[r for r in runs if r.temperature == 0]))
+
+
+def test_the_fleet_preset_measures_the_default_cpu_draft():
+    from specfleet.bench.presets import FLEET
+    from specfleet.llm import DEFAULT_DRAFT
+
+    assert FLEET == DEFAULT_DRAFT["cpu"]
+    for run in PRESETS["fleet"].runs:
+        if run.name != "humaneval-cross":
+            assert f"specfleet:{FLEET}" in run.systems
