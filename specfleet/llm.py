@@ -28,7 +28,8 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # the suffix-tree draft and prompt lookup, trimmed per step to what verification costs on the machine, made
 # 1.20x / 1.11x / 1.13x plain decoding on the fleet preset's HumanEval, ShareGPT and HumanEval-t0.7 parts
 # against 1.16x / 1.11x / 1.12x for suffix alone (benchmarks/results/fleet-cpu-20261124T004215Z, two
-# rounds, and fleet-cpu-20261124T010317Z); 1.01x against 1.00x on ShareGPT-t0.7 (fleet-cpu-20261124T012355Z). On a GPU the 0.5B is the classic choice (not measured here).
+# rounds, and fleet-cpu-20261124T010317Z); 1.01x against 1.00x on ShareGPT-t0.7 (fleet-cpu-20261124T012355Z).
+# On a GPU the 0.5B is the classic choice (not measured here).
 DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup)", "cuda": "qwen2.5-coder-0.5b-instruct"}
 
 
