@@ -6,8 +6,8 @@ tokens of the output. This harness
 
 1. decodes the benchmark prompts once with the native target (greedy, `--tokens` new tokens) and keeps
    the outputs in a cache file (later runs reuse it);
-2. measures the target's forward time for 1..9 rows on this machine (c(n), n draft nodes), or takes
-   `--c` from the command line;
+2. measures the target's forward time for 1..9 rows on this machine (c(n), n draft nodes, as the gguf
+   preset does: bench/gguf_micro.py), or takes `--c` from the command line;
 3. replays every draft spec over the outputs through the proposer protocol (propose, then feedback
    with the nodes the output confirms, as the engine gives it), on a clock that runs in real time
    while drafts propose and jumps by c(nodes) plain steps for each verification, so a fleet's own
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -90,27 +89,6 @@ def greedy_outputs(llm, part: str, prompts: list[list[int]], tokens: int) -> lis
     CACHE.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(outs))
     return outs
-
-
-def measure_c(model, max_rows: int = 9, repeats: int = 5, context: int = 128) -> list[float]:
-    """c(n) for n = 0..max_rows-1 draft nodes: the median forward time of n+1 rows after `context`
-    cached tokens (the head over every row, as verification computes it), over one row's."""
-    from specfleet.runtime.attention import AttentionBatch, SeqAttention
-    from specfleet.runtime.kv_cache import KVCache
-
-    kv = KVCache.allocate(model.config, (context + max_rows) // 16 + 2, 16, torch.float32, torch.device("cpu"))
-    ids = torch.tensor([(7919 * i) % 30000 + 100 for i in range(context)])
-    model(ids, torch.arange(context), AttentionBatch(torch.arange(context), [SeqAttention(context, 0, slice(0, context))]), kv)
-    times = {n: [] for n in range(1, max_rows + 1)}
-    for _ in range(repeats):
-        for n in times:  # interleaved, so drift falls on every size alike
-            pos = torch.arange(context, context + n)
-            batch = AttentionBatch(pos, [SeqAttention(n, context, slice(0, context + n))])
-            t0 = time.perf_counter()
-            model.compute_logits(model(ids[:n], pos, batch, kv))
-            times[n].append(time.perf_counter() - t0)
-    one = statistics.median(times[1])
-    return [statistics.median(times[n]) / one for n in range(1, max_rows + 1)], one
 
 
 def _cost_fn(c: list[float]):
@@ -201,30 +179,33 @@ def main() -> None:
     args = ap.parse_args()
 
     from specfleet import LLM
+    from specfleet.bench.gguf_micro import verify_costs
     from specfleet.bench.report import write_results
     from specfleet.strategies.factory import SpecConfig, build_proposer
 
     llm = LLM(TARGET, draft=None, quantization="gguf", max_num_seqs=1)
+    prompts = {part: prompts_for(part, args.prompts, llm.tokenizer) for part in args.parts}
     if args.c:
         c, step_s = [float(x) for x in args.c.split(",")], (args.step_ms or 70.0) / 1e3
-    else:
-        c, step_s = measure_c(llm.model)
+    else:  # c(1..8) as the gguf preset measures it, after a 128-token context
+        step_s, ck = verify_costs(llm.engine, prompts[args.parts[0]])
+        c = [1.0, *ck]
     print("c(n):", ", ".join(f"{x:.2f}" for x in c), f"plain step {step_s * 1e3:.1f} ms")
-    results = {"c": c, "step_s": step_s, "parts": {}}
-    for part in args.parts:
-        prompts = prompts_for(part, args.prompts, llm.tokenizer)
-        outputs = greedy_outputs(llm, part, prompts, args.tokens)
-        results["parts"][part] = {}
-        def make(spec: str):
-            return build_proposer(spec, SpecConfig(), llm.model.config.vocab_size, torch.float32,
-                                  torch.device("cpu"), quantization="gguf")
 
-        runs = [(spec, None) for spec in args.drafts] + [(f"oracle({o})", o.split(",")) for o in args.oracle]
+    def make(spec: str):
+        return build_proposer(spec, SpecConfig(), llm.model.config.vocab_size, torch.float32, torch.device("cpu"),
+                              quantization="gguf")
+
+    results = {"c": c, "step_s": step_s, "parts": {}}
+    runs = [(spec, None) for spec in args.drafts] + [(f"oracle({o})", o.split(",")) for o in args.oracle]
+    for part in args.parts:
+        outputs = greedy_outputs(llm, part, prompts[part], args.tokens)
+        results["parts"][part] = {}
         for spec, members in runs:
             if members is None:
-                res = replay(make(spec), prompts, outputs, c, step_s)
+                res = replay(make(spec), prompts[part], outputs, c, step_s)
             else:
-                res = replay(None, prompts, outputs, c, step_s, oracle=[make(m) for m in members])
+                res = replay(None, prompts[part], outputs, c, step_s, oracle=[make(m) for m in members])
             results["parts"][part][spec] = res
             print(f"{part:10s} {spec:45s} tokens/step {res['tokens_per_step']:.3f}  nodes/step "
                   f"{res['nodes_per_step']:.2f}  draft {res['draft_s']:.2f}s  speed-up {res['speedup']:.3f}x")

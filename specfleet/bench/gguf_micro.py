@@ -45,16 +45,23 @@ def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
         for n in PREFILL_LENGTHS:
             s = _best(lambda n=n: _forward(engine, _tokens(prompt_ids, n), 0, n), repeats)
             out[f"prefill_{n}_tok_s"] = round(n / s, 2)
-        one = _best(lambda: _forward(engine, _tokens(prompt_ids, CONTEXT + 1), CONTEXT, 1), repeats + 2)
-        for k in VERIFY_KS:
-            s = _best(lambda k=k: _forward(engine, _tokens(prompt_ids, CONTEXT + k + 1), CONTEXT, k + 1), repeats)
-            out[f"c({k})"] = round(s / one, 2)
+        one, c = verify_costs(engine, prompt_ids, repeats)
+        for k, ck in zip(VERIFY_KS, c):
+            out[f"c({k})"] = round(ck, 2)
         out["decode_step_ms"] = round(one * 1000, 1)
     elif isinstance(system, LlamaCppSystem):
         for n in PREFILL_LENGTHS:
             s = _best(lambda n=n: system.prefill_seconds(_tokens(prompt_ids, n)), repeats)
             out[f"prefill_{n}_tok_s"] = round(n / s, 2)
     return out | memory_mb()
+
+
+def verify_costs(engine, prompt_ids: list[list[int]], repeats: int = 3) -> tuple[float, list[float]]:
+    """(seconds of a one-token forward after CONTEXT cached tokens, [c(k) for k in VERIFY_KS]) of a
+    specfleet engine's target: the forward over k+1 tokens, every row's logits, over the one-token one."""
+    one = _best(lambda: _forward(engine, _tokens(prompt_ids, CONTEXT + 1), CONTEXT, 1), repeats + 2)
+    return one, [_best(lambda k=k: _forward(engine, _tokens(prompt_ids, CONTEXT + k + 1), CONTEXT, k + 1), repeats)
+                 / one for k in VERIFY_KS]
 
 
 def _best(run, repeats: int) -> float:

@@ -39,10 +39,12 @@ class LinearFit:
     def __init__(self, window: int = 256):
         self.rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._theta: np.ndarray | None = None
+        self._varied: dict[int, bool] = {}  # answers of `varied`, until the next observation
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         self.rows.append((tuple(float(v) for v in x), float(y)))
         self._theta = None
+        self._varied.clear()
 
     @property
     def theta(self) -> np.ndarray | None:
@@ -58,7 +60,9 @@ class LinearFit:
 
     def varied(self, feature: int) -> bool:
         """Whether `feature` took at least two values among the kept observations."""
-        return len({x[feature] for x, _ in self.rows}) > 1
+        if feature not in self._varied:
+            self._varied[feature] = len({x[feature] for x, _ in self.rows}) > 1
+        return self._varied[feature]
 
 
 def pool_adjacent_violators(values: list[float], weights: list[float]) -> list[float]:
@@ -80,7 +84,6 @@ class StepCosts:
         self.prior_node_cost = prior_node_cost
         self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
-        self._slope: tuple[float | None] | None = None  # the fitted node slope, until the next step is added
         self._memo: dict[tuple[int, int], float] = {}  # step_time answers, until the next step is added
         self.num_observations = 0
 
@@ -94,7 +97,6 @@ class StepCosts:
         cell[0] += (seconds - cell[0]) / min(cell[1], self.cell_memory)
         self.fit.add((1.0, batch, nodes), seconds)
         self._curves.pop(batch, None)
-        self._slope = None
         self._memo.clear()
         self.num_observations += 1
 
@@ -106,10 +108,8 @@ class StepCosts:
         return self._curves[batch]
 
     def _fit_slope(self) -> float | None:
-        if self._slope is None:  # asked dozens of times per step: fitted once per added step
-            theta = self.fit.theta
-            self._slope = (max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None,)
-        return self._slope[0]
+        theta = self.fit.theta
+        return max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None
 
     def step_time(self, batch: int, nodes: int) -> float:
         """Estimated seconds of a step (step units while nothing has been measured)."""

@@ -19,7 +19,9 @@ def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], fl
 
 
 def merge_trees(trees: list[DraftTree], probs: list[list[float]]) -> tuple[DraftTree, list[float]]:
-    """The prefix-tree union of point-mass trees and its nodes' path probabilities (see the module doc)."""
+    """The prefix-tree union of point-mass trees and its nodes' path probabilities: a node's conditional
+    acceptance is the best of its sources', and where a parent's children's add up to more than 1 they are
+    scaled to sum to 1 (strategies/fleet.py, step 1)."""
     tokens, parents, origins, cond = [], [], [], []
     index: dict[tuple[int, int], int] = {}
     for tree, p in zip(trees, probs):
