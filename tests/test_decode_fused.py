@@ -14,7 +14,8 @@ from specfleet.runtime import qtensor
 pytestmark = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")
 
 from specfleet.runtime import model as model_mod  # noqa: E402
-from specfleet.runtime.attention import SeqAttention, _attend, _native_rows  # noqa: E402
+from specfleet.runtime.attention import AttentionBatch, SeqAttention, _attend  # noqa: E402
+from specfleet.runtime.step_plan import KeyPlan, native_attend  # noqa: E402
 from specfleet.runtime.qlinear import QLinear  # noqa: E402
 from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, quantize_activations  # noqa: E402
 from test_qkernels import dense64, random_blocks  # noqa: E402
@@ -112,25 +113,11 @@ def attend64(q, k, v, scale):
     return (p.unsqueeze(1) @ vv).squeeze(1)
 
 
-@pytest.mark.parametrize("length", [1, 7, 8, 9, 70, 300])
-@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 32), (14, 2, 64)])
-def test_native_attention_matches_float64(length, heads, kv_heads, d):
-    g = torch.Generator().manual_seed(length)
-    k = torch.randn(length + 3, kv_heads, d, generator=g)
-    v = torch.randn(length + 3, kv_heads, d, generator=g)
-    q = torch.randn(2, heads, d, generator=g) * 3
-    out = _native_rows(lib(), q, k, v, [length, length + 3], kv_heads, d ** -0.5)
-    for i, n in enumerate([length, length + 3]):
-        ref = attend64(q[i], k[:n], v[:n], d ** -0.5)
-        torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
+def _one_batch(*seqs: SeqAttention) -> AttentionBatch:
+    return AttentionBatch(torch.zeros(sum(s.query_len for s in seqs), dtype=torch.long), list(seqs))
 
 
-def test_native_verification_rows_equal_their_decode_steps():
-    """Chain and tree rows through `_attend` with the native library: bit for bit the decode step's output
-    (a one-row call over the row's own keys, in cache order), including over a strided cache view."""
-    g = torch.Generator().manual_seed(3)
-    c, h, kvh, d = 45, 12, 2, 128
-    parents = [-1, 0, 0, 1, 2, 4]
+def tree_mask(parents: list[int]) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
     for i, p in enumerate(parents):
@@ -138,20 +125,60 @@ def test_native_verification_rows_equal_their_decode_steps():
         while p >= 0:
             mask[i, p] = True
             p = parents[p]
-    cache_k = torch.randn(80, kvh, d, generator=g)
-    cache_v = torch.randn(80, kvh, d, generator=g)
-    k, v = cache_k[10:10 + c + n], cache_v[10:10 + c + n]  # a view into the cache
+    return mask
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 70, 300])
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 32), (14, 2, 64)])
+def test_native_attention_matches_float64(length, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(length)
+    k = torch.randn(length + 3, kv_heads, d, generator=g)
+    v = torch.randn(length + 3, kv_heads, d, generator=g)
+    q = torch.randn(2, heads, d, generator=g) * 3
+    # two requests over the same cache rows: a decode row after length - 1 keys, and a 1-row step after length + 2
+    batch = _one_batch(SeqAttention(1, length - 1, slice(0, length)), SeqAttention(1, length + 2, slice(0, length + 3)))
+    out = native_attend(lib(), q, k, v, batch, d ** -0.5)
+    for i, n in enumerate([length, length + 3]):
+        ref = attend64(q[i], k[:n], v[:n], d ** -0.5)
+        torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_key_plan_lists_each_rows_keys():
+    """The module docstring's worked example, a hidden context and a fragmented block table."""
+    tree = SeqAttention(3, 3, slice(10, 16), tree_mask([-1, 0, 0]))
+    plan = KeyPlan.build(_one_batch(tree))
+    assert plan.slots.tolist() == list(range(10, 16))
+    assert plan.plen.tolist() == [4, 5, 4] and plan.nkeys.tolist() == [4, 5, 5]
+    assert plan.extras[plan.xoff[2]:plan.xoff[2] + 1].tolist() == [5]
+    hidden = SeqAttention(2, 3, torch.tensor([40, 41, 7, 8, 9]), None, torch.tensor([[True, False, True]] * 2))
+    plan = KeyPlan.build(_one_batch(hidden))
+    assert plan.slots.tolist() == [40, 41, 7, 8, 9]
+    assert plan.plen.tolist() == [1, 1] and plan.nkeys.tolist() == [3, 4]
+    assert plan.extras[:5].tolist() == [2, 3, 2, 3, 4]
+
+
+def test_native_verification_rows_equal_their_decode_steps():
+    """Prompt, chain and tree rows through the key plan: bit for bit the decode step's output (a one-row
+    call over the row's own keys copied elsewhere in the cache, in order), and close to float64."""
+    g = torch.Generator().manual_seed(3)
+    c, h, kvh, d = 45, 12, 2, 128
+    parents = [-1, 0, 0, 1, 2, 4]
+    n = len(parents)
+    cache_k = torch.randn(200, kvh, d, generator=g)
+    cache_v = torch.randn(200, kvh, d, generator=g)
     q = torch.randn(n, h, d, generator=g)
-    native = lib()
-    for new_mask in (None, mask):
-        out = _attend(q, k, v, SeqAttention(n, c, slice(None), new_mask), kvh, d ** -0.5, native)
+    for new_mask in (None, tree_mask(parents)):
+        out = native_attend(lib(), q, cache_k, cache_v, _one_batch(SeqAttention(n, c, slice(10, 10 + c + n), new_mask)),
+                            d ** -0.5)
         for i in range(n):
             seen = (torch.arange(i + 1) if new_mask is None else new_mask[i].nonzero().flatten())
-            upto = torch.cat([torch.arange(c), seen + c])
-            alone = _attend(q[i:i + 1], k[upto], v[upto], SeqAttention(1, len(upto) - 1, slice(None)), kvh,
-                            d ** -0.5, native)
+            upto = torch.cat([torch.arange(c), seen + c]) + 10
+            m = len(upto)  # the decode step: the same keys at slots 100.., its own key last
+            cache_k[100:100 + m], cache_v[100:100 + m] = cache_k[upto].clone(), cache_v[upto].clone()
+            alone = native_attend(lib(), q[i:i + 1].contiguous(), cache_k, cache_v,
+                                  _one_batch(SeqAttention(1, m - 1, slice(100, 100 + m))), d ** -0.5)
             assert torch.equal(out[i:i + 1], alone)
-            ref = attend64(q[i], k[upto], v[upto], d ** -0.5)
+            ref = attend64(q[i], cache_k[upto], cache_v[upto], d ** -0.5)
             torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
 
 
@@ -220,27 +247,24 @@ def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draf
         assert engine.stats.num_drafted > 0
 
 
-def test_whole_stack_call_equals_the_per_layer_calls(native_tiny, monkeypatch):
-    """`specfleet_decode_layers` (one native call for every layer, decode and chain verification rows)
-    gives bit for bit the hidden states and KV cache entries of the per-layer calls."""
+def test_prompt_chunks_give_the_same_cache_however_they_are_split(native_tiny):
+    """A prompt prefilled whole, or in chunks of 6 + 1 + 3 rows (a decode row among them), writes bit for bit
+    the same KV cache and hidden states: every row attends over exactly its own keys, so chunking (the
+    token budget, preemption and recompute) never changes what later steps read."""
     from test_spec_greedy import make_engine
-
-    from specfleet.runtime.attention import AttentionBatch
 
     ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
     outs = []
-    for stack in (True, False):
-        if not stack:
-            monkeypatch.setattr(model_mod, "_stack_plan", lambda *a: None)
+    for chunks in ([10], [6, 1, 3]):
         engine = make_engine(native_tiny)
         kv = engine.runner.kv
-        seqs = [SeqAttention(6, 0, slice(32, 38)), SeqAttention(1, 6, slice(32, 39)),  # prompt, decode
-                SeqAttention(3, 7, slice(32, 42))]  # a 3-row chain after 7 tokens
-        rows = [list(range(0, 6)), [6], [7, 8, 9]]
-        hidden = []
-        for seq, r in zip(seqs, rows):
-            slots = torch.arange(32 + seq.context_len, 32 + seq.context_len + seq.query_len)
-            hidden.append(native_tiny(torch.tensor([ids[i] for i in r]), torch.tensor(r), AttentionBatch(slots, [seq]), kv))
+        hidden, start = [], 0
+        for n in chunks:
+            seq = SeqAttention(n, start, slice(32, 32 + start + n))
+            slots = torch.arange(32 + start, 32 + start + n)
+            hidden.append(native_tiny(torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
+                                      AttentionBatch(slots, [seq]), kv))
+            start += n
         outs.append((torch.cat(hidden), kv.k[1][32:42].clone(), kv.v[1][32:42].clone()))
     for a, b in zip(*outs):
         assert torch.equal(a, b)

@@ -33,7 +33,6 @@ cost grows with chunk x window, not chunk x context; masked rows (trees, hidden 
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +114,6 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     batch: AttentionBatch,
     scale: float,
-    native=None,  # the native library (runtime/qtensor.py): decode and verification rows in C (fp32 CPU)
     out: torch.Tensor | None = None,  # where to write the result (a [num_tokens, num_heads, head_dim] tensor)
     window: int | None = None,  # a sliding-window layer: each query sees its last `window` keys only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -127,7 +125,7 @@ def paged_attention(
         if window is not None:
             seq = seq.windowed(window)
         ki, vi = k_cache[seq.kv], v_cache[seq.kv]  # [L, KVH, D]: a view, or a gather when fragmented
-        out[start:start + n] = _attend(q[start:start + n], ki, vi, seq, num_kv_heads, scale, native, window)
+        out[start:start + n] = _attend(q[start:start + n], ki, vi, seq, num_kv_heads, scale, window)
         start += n
     return out
 
@@ -150,15 +148,13 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
-            scale: float, native=None, window: int | None = None) -> torch.Tensor:
-    """One request: qi [n, H, D], ki/vi [context + n, KVH, D] -> [n, H, D]. With `native` (the library of
-    runtime/qtensor.py, passed by native models only) fp32 decode and verification rows run in C. With
-    `window` each query sees only its last `window` visible keys (`_attend_window`)."""
+            scale: float, window: int | None = None) -> torch.Tensor:
+    """One request: qi [n, H, D], ki/vi [context + n, KVH, D] -> [n, H, D]. With `window` each query sees
+    only its last `window` visible keys (`_attend_window`). (Native GGUF models attend in C over a key
+    plan instead: runtime/step_plan.py.)"""
     if window is not None:
         return _attend_window(qi, ki, vi, seq, num_kv_heads, scale, window)
     n, c = seq.query_len, seq.context_len
-    if native is not None and seq.context_mask is None and (n == 1 or (c and n <= ROWWISE_ROWS)) and _native_ok(qi, ki, vi):
-        return _attend_native(native, qi, ki, vi, seq, num_kv_heads, scale)
     group = qi.shape[1] // num_kv_heads
     qf = _fold(qi, num_kv_heads)
     k, v = _heads_first(ki), _heads_first(vi)
@@ -239,47 +235,6 @@ def _attend_rowwise(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Seq
                     idx = idx[-window:]
                 ki, vi = k.index_select(2, idx), v.index_select(2, idx)
         out[i] = _unfold(F.scaled_dot_product_attention(_fold(qi[i:i + 1], num_kv_heads), ki, vi, scale=scale), 1)[0]
-    return out
-
-
-def _native_ok(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor) -> bool:
-    d = qi.shape[-1]
-    return (d % 32 == 0 and d <= 512 and qi.dtype == ki.dtype == vi.dtype == torch.float32 and qi.device.type == "cpu" and qi.is_contiguous()
-            and ki.stride() == vi.stride() and ki.stride(2) == 1 and ki.stride(1) == d)
-
-
-def _native_rows(lib, qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, lens: list[int], num_kv_heads: int,
-                 scale: float) -> torch.Tensor:
-    """Rows of qi [n, H, D] attending, unmasked, to the first lens[i] keys of ki/vi [L, KVH, D] in C
-    (csrc/q_fused.c, specfleet_attend): each (row, head) on its own, so a row's result never depends on
-    the other rows of the call."""
-    n, h, d = qi.shape
-    out = torch.empty_like(qi)
-    lens_c = (ctypes.c_int64 * n)(*lens)
-    rc = lib.specfleet_attend(qi.data_ptr(), n, h, num_kv_heads, d, ki.data_ptr(), vi.data_ptr(), ki.stride(0),
-                              ctypes.addressof(lens_c), scale, out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"the native attention refused its arguments (code {rc})")
-    return out
-
-
-def _attend_native(lib, qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, seq: SeqAttention, num_kv_heads: int,
-                   scale: float) -> torch.Tensor:
-    """A decode row, or verification rows each over exactly the keys its own decode step sees (the
-    context, then its ancestors and itself, in cache order; `_attend_rowwise`'s contract), in C. A
-    tree row whose ancestors are not a prefix of the new tokens gathers its keys and runs alone."""
-    n, c = seq.query_len, seq.context_len
-    if seq.new_mask is None:
-        return _native_rows(lib, qi, ki, vi, [c + i + 1 for i in range(n)], num_kv_heads, scale)
-    out = torch.empty_like(qi)
-    for i in range(n):
-        seen = seq.new_mask[i, : i + 1].nonzero().flatten()
-        if len(seen) == i + 1:  # every earlier new token: a prefix
-            out[i:i + 1] = _native_rows(lib, qi[i:i + 1], ki, vi, [c + i + 1], num_kv_heads, scale)
-        else:
-            idx = torch.cat([torch.arange(c), seen + c]).to(ki.device)
-            out[i:i + 1] = _native_rows(lib, qi[i:i + 1], ki.index_select(0, idx), vi.index_select(0, idx),
-                                        [len(idx)], num_kv_heads, scale)
     return out
 
 

@@ -24,9 +24,10 @@ from torch import nn
 
 from specfleet.errors import ModelLoadError
 from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
-from specfleet.runtime.attention import ROWWISE_ROWS, AttentionBatch, paged_attention
+from specfleet.runtime.attention import AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.step_plan import KeyPlan
 
 
 UPCAST_ROWS = default_upcast_rows()  # read per call, so tests and benchmarks may change them
@@ -36,33 +37,6 @@ NATIVE_ROWS = default_native_rows()
 # decoder layer as a few calls into csrc/q_fused.c (`DecoderLM._forward_native`); False keeps the
 # module-by-module forward (benchmarks compare the two). Read per call.
 FUSED_NATIVE = True
-
-
-def _stack_plan(batch: AttentionBatch, t: int, heads: int, kv_heads: int, d: int, num_slots: int):
-    """For `specfleet_decode_layers`: each row's first cache row and key count (ctypes int64 arrays) when
-    every row attends, unmasked, to a prefix of its request's cache rows held in consecutive slots:
-    decode rows and verification rows of a chain (or of a tree whose rows' ancestors are all earlier
-    rows), as `attention._attend_native` would run them; None otherwise (prompt chunks, fragmented
-    blocks, hidden context, head sizes the C attention does not take)."""
-    if d % 32 or d > 512 or heads // kv_heads > 16:
-        return None
-    starts, lens = [], []
-    for seq in batch.seqs:
-        n, c, kv = seq.query_len, seq.context_len, seq.kv
-        if not isinstance(kv, slice) or kv.step not in (None, 1) or seq.context_mask is not None:
-            return None
-        if n > 1 and not (c and n <= ROWWISE_ROWS):
-            return None
-        if n > 1 and seq.new_mask is not None and not bool(seq.new_mask.tril().sum() == n * (n + 1) // 2):
-            return None  # a tree row that does not see every earlier row: it gathers its keys
-        start = kv.start or 0
-        if start < 0 or start + c + n > num_slots:
-            return None
-        starts += [start] * n
-        lens += range(c + 1, c + n + 1)
-    if len(lens) != t:
-        return None
-    return (ctypes.c_int64 * t)(*starts), (ctypes.c_int64 * t)(*lens)
 
 
 class Linear(nn.Linear):
@@ -243,7 +217,8 @@ class DecoderLM(nn.Module):
                 return isinstance(m, QLinear) and m.all_quantized
 
             cfg = self.config
-            ok = (cfg.head_dim % 2 == 0
+            ok = (cfg.head_dim % 32 == 0 and cfg.head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0
+                  and cfg.num_heads // cfg.num_kv_heads <= 16  # what the C attention takes
                   and self.rotary.cos.dtype == torch.float32 and self.rotary.cos.is_contiguous()
                   and all(quantized(layer.self_attn.qkv_proj) and quantized(layer.self_attn.o_proj)
                           and quantized(layer.mlp.gate_up_proj) and quantized(layer.mlp.down_proj)
@@ -259,13 +234,12 @@ class DecoderLM(nn.Module):
 
     def _forward_native(self, lib, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                         kv: KVCache) -> torch.Tensor:
-        """The forward of a native GGUF model, a decoder layer in six native calls (csrc/q_fused.c):
-        RMSNorm + q/k/v products + bias; rotary + KV cache write; attention (decode and verification
-        rows in C, longer chunks as `paged_attention` does them); o product added to the residual;
-        RMSNorm + gate/up products; SiLU * up + down product added to the residual. Every one computes a
-        row the same way whatever the other rows of the step, so speculation stays lossless."""
-        from specfleet.runtime.qtensor import PRE_RMSNORM, PRE_SILU_MUL
-
+        """The forward of a native GGUF model, every decoder layer in one native call (csrc/q_fused.c,
+        `specfleet_decode_layers`): per layer RMSNorm + q/k/v products + bias; rotary + KV cache write;
+        attention of each row over the keys of the step's key plan (runtime/step_plan.py); o product
+        added to the residual; RMSNorm + gate/up products; SiLU * up + down product added to the
+        residual. Every one computes a row the same way whatever the other rows of the step (decode,
+        prompt chunk, chain or tree), so a verified row is bit for bit its decode step."""
         cfg = self.config
         h = self.embed_tokens(input_ids).to(torch.float32).contiguous()  # a new tensor, updated in place below
         t = h.shape[0]
@@ -282,30 +256,16 @@ class DecoderLM(nn.Module):
         o = torch.empty((t, heads, d), dtype=torch.float32)
         gu = torch.empty((t, first.mlp.gate_up_proj.out_features), dtype=torch.float32)
         cos, sin = self.rotary.cos, self.rotary.sin
-        plan = _stack_plan(batch, t, heads, kv_heads, d, kv.k[0].shape[0])
-        if plan is not None:  # every row's attention unmasked over a prefix of its request's cache rows
-            starts, lens = plan
-            rc = lib.specfleet_decode_layers(
-                ctypes.addressof(self._native_layers(kv)), len(self.layers), t, h.data_ptr(), cfg.hidden_size,
-                qkv.data_ptr(), qkv.shape[1], q.data_ptr(), o.data_ptr(), gu.data_ptr(), gu.shape[1] // 2, heads,
-                kv_heads, d, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ctypes.addressof(starts),
-                ctypes.addressof(lens), first.self_attn.scale, torch.get_num_threads())
-            if rc != 0:
-                raise ValueError(f"the native decoder layers refused their arguments (code {rc})")
-            return self.norm(h)
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            norm = layer.input_layernorm
-            attn.qkv_proj.fused(lib, h, qkv, PRE_RMSNORM, norm.weight, norm.eps)
-            k_cache, v_cache = kv.k[i], kv.v[i]
-            lib.specfleet_rope_kv(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, d, pos.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  slots.data_ptr())
-            paged_attention(q, k_cache, v_cache, batch, attn.scale, lib, out=o)
-            attn.o_proj.fused(lib, o.view(t, heads * d), h, accumulate=True)
-            norm = layer.post_attention_layernorm
-            mlp.gate_up_proj.fused(lib, h, gu, PRE_RMSNORM, norm.weight, norm.eps)
-            mlp.down_proj.fused(lib, gu, h, PRE_SILU_MUL, accumulate=True)
+        plan = KeyPlan.build(batch)  # every row over exactly the keys its decode step would see
+        if len(plan.slots) and not 0 <= int(plan.slots.min()) <= int(plan.slots.max()) < kv.k[0].shape[0]:
+            raise IndexError(f"the key plan's cache rows must lie in [0, {kv.k[0].shape[0]})")
+        rc = lib.specfleet_decode_layers(
+            ctypes.addressof(self._native_layers(kv)), len(self.layers), t, h.data_ptr(), cfg.hidden_size,
+            qkv.data_ptr(), qkv.shape[1], q.data_ptr(), o.data_ptr(), gu.data_ptr(), gu.shape[1] // 2, heads,
+            kv_heads, d, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *plan.c_args(),
+            first.self_attn.scale, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the native decoder layers refused their arguments (code {rc})")
         return self.norm(h)
 
     def _native_layers(self, kv: KVCache):

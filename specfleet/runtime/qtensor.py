@@ -47,7 +47,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c"]
 HEADERS = (_CSRC / "q_common.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI = 3  # 3: the K formats in the kernels' interleaved order (pack_k)
+ABI = 4  # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan
 # input transforms of `run_fused` (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -104,10 +104,11 @@ def _load() -> ctypes.CDLL:
     lib.specfleet_q_linear_fused.restype = ctypes.c_int
     lib.specfleet_rope_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.specfleet_rope_kv.restype = None
-    lib.specfleet_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64]
+    lib.specfleet_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float,
+                                     ptr, i64]
     lib.specfleet_attend.restype = ctypes.c_int
     lib.specfleet_decode_layers.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
-                                            ptr, ptr, ptr, ptr, ctypes.c_float, i64]
+                                            ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
     lib.specfleet_decode_layers.restype = ctypes.c_int
     lib.specfleet_k_pack.argtypes = [ctypes.c_int, ptr, ptr, i64, ctypes.c_int]
     lib.specfleet_k_pack.restype = ctypes.c_int

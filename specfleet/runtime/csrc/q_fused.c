@@ -10,14 +10,15 @@
  *                             residual add fused into the product).
  *   specfleet_rope_kv         rotary embedding of q and k from the fused q/k/v output, k and v written
  *                             to their KV cache slots.
- *   specfleet_attend          attention of query rows over a prefix of a request's cached keys, one
- *                             (row, head) at a time with no mask.
+ *   specfleet_attend          attention of query rows, each over the cached keys a key plan gives it
+ *                             (a prefix of its request's rows, or a tree row's context and ancestors),
+ *                             one (row, head) at a time with no mask.
  *
  * Batch invariance (q_common.h): every output row is computed by the same instruction sequence over the
  * same data in the same order whatever the number of rows in the call, which rows share a tile and which
  * thread runs it. RMSNorm and SiLU * mul are per row; attention is per (row, head), its keys being
- * exactly the row's own: a verification row given its prefix of keys computes bit for bit what the
- * decode step of that token computes. */
+ * exactly the row's own, read in its own order wherever they sit: a verification row (chain or tree) or a
+ * prompt row computes bit for bit what the decode step of that token computes. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -240,15 +241,18 @@ ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
 #define AMAX_G 16 /* query heads per KV head handled together */
 #define MAX_D 512 /* head sizes up to this */
 
-/* The G query heads q[a * D] (a < G) sharing one KV head, over L keys: out[a * D] = softmax(scale *
- * q_a.k) weighted sum of v. Scores go 8 keys at a time (keys past L read as zeros and are dropped), so
- * a key's score never depends on L; sc: G * L8 floats of scratch, L8 = L rounded up to 8. */
-static void attend_group(const float *q, int64_t G, const float *k, const float *v, int64_t ldk, int64_t L,
-                         int64_t D, float scale, float *sc, int64_t L8, float *out) {
+/* The G query heads q[a * D] (a < G) sharing one KV head, over L keys: key j is the cache row krow[j],
+ * read at k + krow[j] * ldk (values likewise). out[a * D] = softmax(scale * q_a.k) weighted sum of v.
+ * Scores go 8 keys at a time (keys past L read as zeros and are dropped), so a key's score never depends
+ * on L, and nothing depends on where the keys sit in the cache: a row given the same keys in the same
+ * order computes the same bits whether they are a prefix of its request's rows or gathered from a tree.
+ * sc: G * L8 floats of scratch, L8 = L rounded up to 8. */
+static void attend_group(const float *q, int64_t G, const float *k, const float *v, int64_t ldk,
+                         const int64_t *krow, int64_t L, int64_t D, float scale, float *sc, int64_t L8, float *out) {
     static const float zero[MAX_D] = {0};
     for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const float *kr[8];
-        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + (j0 + u) * ldk : zero;
+        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + krow[j0 + u] * ldk : zero;
         for (int64_t a = 0; a < G; a++) {
             const float *qa = q + a * D;
             __m256 acc[8];
@@ -285,7 +289,7 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
             __m256 x0[4], x1[4];
             for (int u = 0; u < 4; u++) x0[u] = x1[u] = _mm256_setzero_ps();
             for (int64_t j = 0; j < L; j++) {
-                const float *vr = v + j * ldk + d;
+                const float *vr = v + krow[j] * ldk + d;
                 const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
                 for (int u = 0; u < 4; u++) {
                     const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
@@ -301,17 +305,23 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
     }
 }
 
-/* Rows of q [n, H, D] attending, unmasked, to lens[i] keys from cache row starts[i] (0 without starts):
- * key j of head g at k[(starts[i] + j) * ldk + g * D], values likewise; out [n, H, D]. */
+/* A step's key plan (runtime/step_plan.py): which cached keys each query row attends to, in order.
+ * Row i sees nkeys[i] keys. Its key j has the layout index (a request's token order: its context, then
+ * its new tokens) j when j < plen[i], else extras[xoff[i] + j - plen[i]] (a tree row's ancestors, a
+ * level-drafted row's visible keys); the layout index x is the cache row slots[base[i] + x]. */
+typedef struct {
+    const int64_t *slots, *base, *plen, *xoff, *nkeys, *extras;
+} sf_key_plan;
+
+/* Rows of q [n, H, D] attending, unmasked, to the keys the plan gives each; out [n, H, D]. */
 static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
-                       int64_t ldk, const int64_t *starts, const int64_t *lens, float scale, float *out,
-                       int64_t num_threads) {
+                       int64_t ldk, const sf_key_plan *plan, float scale, float *out, int64_t num_threads) {
     if (n < 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || D % 32 != 0 || D > MAX_D || H / KVH > AMAX_G) return -1;
     int64_t lmax = 1, work = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (lens[i] < 1) return -1;
-        lmax = lens[i] > lmax ? lens[i] : lmax;
-        work += lens[i] * H * D;
+        if (plan->nkeys[i] < 1 || plan->plen[i] < 0 || plan->plen[i] > plan->nkeys[i]) return -1;
+        lmax = plan->nkeys[i] > lmax ? plan->nkeys[i] : lmax;
+        work += plan->nkeys[i] * H * D;
     }
     const int64_t G = H / KVH, tasks = n * KVH, l8 = (lmax + 7) / 8 * 8;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
@@ -319,28 +329,40 @@ static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_
 #pragma omp parallel num_threads(nt) if (nt > 1 && work >= ATTEND_PAR_WORK && tasks > 1)
     {
         float *sc = (float *)malloc((size_t)(G * l8) * sizeof(float));
-        if (!sc) {
+        int64_t *krow = (int64_t *)malloc((size_t)l8 * sizeof(int64_t));
+        int64_t krow_of = -1; /* the row whose keys krow holds */
+        if (!sc || !krow) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            if (!sc) continue;
-            const int64_t i = t / KVH, g = t % KVH, L = lens[i], off = (starts ? starts[i] : 0) * ldk + g * D;
-            attend_group(q + (i * H + g * G) * D, G, k + off, v + off, ldk, L, D, scale, sc, (L + 7) / 8 * 8,
-                         out + (i * H + g * G) * D);
+            if (!sc || !krow) continue;
+            const int64_t i = t / KVH, g = t % KVH, L = plan->nkeys[i];
+            if (krow_of != i) {
+                const int64_t *sl = plan->slots + plan->base[i], p = plan->plen[i];
+                const int64_t *x = plan->extras + plan->xoff[i] - p;
+                for (int64_t j = 0; j < L; j++) krow[j] = sl[j < p ? j : x[j]];
+                krow_of = i;
+            }
+            attend_group(q + (i * H + g * G) * D, G, k + g * D, v + g * D, ldk, krow, L, D, scale, sc,
+                         (L + 7) / 8 * 8, out + (i * H + g * G) * D);
         }
         free(sc);
+        free(krow);
     }
     return failed ? -2 : 0;
 }
 
-/* q [n, H, D]; keys and values of head g for key j at k[j * ldk + g * D], v likewise; row i attends to
- * keys [0, lens[i]) with no mask; out [n, H, D]. H must be a multiple of KVH (query heads h share KV head
- * h / (H / KVH)). Returns 0, -1 for bad arguments, -2 when scratch memory could not be allocated. */
+/* q [n, H, D]; keys and values of head g for cache row r at k[r * ldk + g * D], v likewise; row i attends
+ * to the keys of the plan (see sf_key_plan) with no mask; out [n, H, D]. H must be a multiple of KVH
+ * (query heads h share KV head h / (H / KVH)). Returns 0, -1 for bad arguments, -2 when scratch memory
+ * could not be allocated. */
 int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
-                     int64_t ldk, const int64_t *lens, float scale, float *out, int64_t num_threads) {
-    return attend_rows(q, n, H, KVH, D, k, v, ldk, 0, lens, scale, out, num_threads);
+                     int64_t ldk, const int64_t *slots, const int64_t *base, const int64_t *plen, const int64_t *xoff,
+                     const int64_t *nkeys, const int64_t *extras, float scale, float *out, int64_t num_threads) {
+    const sf_key_plan plan = {slots, base, plen, xoff, nkeys, extras};
+    return attend_rows(q, n, H, KVH, D, k, v, ldk, &plan, scale, out, num_threads);
 }
 
 /* One decoder layer of a native model (runtime/model.py `_forward_native`): its four products, its
@@ -353,17 +375,19 @@ typedef struct {
     float *k_cache, *v_cache; /* [slots, KVH, D] */
 } sfq_layer;
 
-/* Every decoder layer over T rows whose attention needs no mask (decode rows, verification rows of a
- * chain): per layer RMSNorm + q/k/v (+ bias), rotary + KV cache write at slots, attention of row t over
- * lens[t] keys from cache row starts[t], o product added to h, RMSNorm + gate/up, SiLU * up + down
+/* Every decoder layer over T rows of any kind (decode rows, prompt chunks, verification rows of a chain or
+ * tree, level-drafted rows): per layer RMSNorm + q/k/v (+ bias), rotary + KV cache write at slots,
+ * attention of each row over the keys the plan gives it (sf_key_plan), o product added to h, RMSNorm + gate/up, SiLU * up + down
  * added to h; h [T, hidden] is updated in place. The same kernels as the per-layer calls, so every
  * result is bit for bit what they give. Scratch: qkv [T, qkv_width], q and o [T, H * D], gu [T, 2 * inter].
  * Returns 0, or the first failing call's code. */
 int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T, float *h, int64_t hidden,
                             float *qkv, int64_t qkv_width, float *q, float *o, float *gu, int64_t inter, int64_t H,
                             int64_t KVH, int64_t D, const int64_t *pos, const float *cos_t, const float *sin_t,
-                            const int64_t *slots, const int64_t *starts, const int64_t *lens, float scale,
+                            const int64_t *slots, const int64_t *kslots, const int64_t *base, const int64_t *plen,
+                            const int64_t *xoff, const int64_t *nkeys, const int64_t *extras, float scale,
                             int64_t num_threads) {
+    const sf_key_plan plan = {kslots, base, plen, xoff, nkeys, extras};
     int rc;
     for (int64_t l = 0; l < nlayers; l++) {
         const sfq_layer *ly = &layers[l];
@@ -371,7 +395,7 @@ int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T,
                                       qkv, qkv_width, 0, num_threads);
         if (rc) return rc;
         specfleet_rope_kv(qkv, T, qkv_width, H, KVH, D, pos, cos_t, sin_t, q, ly->k_cache, ly->v_cache, slots);
-        rc = attend_rows(q, T, H, KVH, D, ly->k_cache, ly->v_cache, KVH * D, starts, lens, scale, o, num_threads);
+        rc = attend_rows(q, T, H, KVH, D, ly->k_cache, ly->v_cache, KVH * D, &plan, scale, o, num_threads);
         if (rc) return rc;
         rc = specfleet_q_linear_fused(ly->o, ly->n_o, H * D, o, H * D, T, PRE_NONE, 0, 0.0f, h, hidden, 1, num_threads);
         if (rc) return rc;

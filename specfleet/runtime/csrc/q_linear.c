@@ -57,4 +57,4 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     return 0;
 }
 
-int specfleet_q_abi(void) { return 3; }
+int specfleet_q_abi(void) { return 4; }
