@@ -131,7 +131,18 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_ids)
         if len(plist) != len(prompt_ids):
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompt_ids)} prompts")
-        reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, plist)]
+        for ids, p in zip(prompt_ids, plist):  # all of them first: a bad k-th prompt queues none
+            self.engine.check_request(ids, p)
+        reqs = []
+        try:
+            reqs.extend(self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, plist))
+            return self._collect(reqs, prompts, use_tqdm)
+        finally:  # an exception or Ctrl-C mid-call must not leave its requests to run in the next call
+            for r in reqs:
+                self.engine.abort(r.request_id)
+
+    def _collect(self, reqs: list, prompts: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `reqs` finished; their outputs in order."""
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm)
@@ -146,9 +157,18 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[tuple[str, RequestOutput]]:
-        """Yield (new text, output so far) as tokens arrive; holds back incomplete UTF-8 characters."""
+        """Yield (new text, output so far) as tokens arrive; holds back incomplete UTF-8 characters.
+
+        Closing the generator early (`close()`, `break` out of a for loop, dropping it) aborts the
+        request, which would otherwise stay queued and run in the next call."""
         ids = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else self.encode(prompt)
         req = self.engine.add_request(ids, params or SamplingParams())
+        try:
+            yield from self._stream(req)
+        finally:
+            self.engine.abort(req.request_id)
+
+    def _stream(self, req) -> Iterator[tuple[str, RequestOutput]]:
         sent = ""
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -158,6 +178,8 @@ class LLM:
                 if len(text) > len(sent) or out.finished:
                     yield text[len(sent):], out
                     sent = text
+                if out.finished:
+                    return
 
     def aggregate_stats(self) -> dict:
         return self.engine.stats.as_dict()

@@ -58,10 +58,17 @@ class Engine:
         self._ids = itertools.count()
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError unless `add_request` takes this prompt with these params; a batch is
+        checked whole with it before any of it is queued (LLM.generate)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        self.check_request(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

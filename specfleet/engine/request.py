@@ -10,6 +10,7 @@ plus a truncate of the block table.
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
     if n >= max_model_len:
         raise PromptError(f"the prompt has {n} tokens but the context holds {max_model_len}; "
                           f"shorten the prompt (nothing is truncated silently)", code="context_length_exceeded")
+    not_ids = [t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if not_ids:
+        raise PromptError(f"prompt token ids must be integers, got {not_ids[:5]!r}")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
