@@ -191,9 +191,11 @@ def test_pool_keeps_its_bound_and_delivers_messages_in_order():
     assert seen.index(("draft", "r7")) < seen.index(("msg", "r7")), "a release never overtakes its draft"
 
 
-def test_a_failing_drafter_fails_the_step(target):
+def test_a_dead_drafter_thread_fails_the_step(target):
+    """A failing propose() only turns its requests to plain decoding (test_draft_failures.py); a drafter
+    thread that dies on its messages has state nobody can vouch for, and the step fails."""
     class Broken(FastProposer):
-        def propose(self, requests):
+        def observe(self, feedback):
             raise ValueError("boom")
 
     with PipelinedEngine(target, None, engine_config(target), Broken()) as eng:

@@ -133,8 +133,13 @@ class PipelinedEngine(Engine):
             if not all(w.is_alive() for w in self._workers):
                 raise PipelineFailed("a drafter thread is gone")
             entries = self.pool.take(self.pool.capacity, wait_s=0.5, sample=False)
+        failed: dict[Exception, list[Request]] = {}  # one failed propose() call -> its requests
         for e in entries:
             self._accept(e)
+            if e.error is not None:
+                failed.setdefault(e.error, []).append(e.request)
+        for error, requests in failed.items():
+            self._draft_failed([r for r in requests if self.requests.get(r.request_id) is r], "propose", error)
         return len(entries)
 
     def _accept(self, e: PoolEntry) -> None:
@@ -177,7 +182,7 @@ class PipelinedEngine(Engine):
         """Park every request whose verification is committed and hand it to its drafter."""
         for r in self.scheduler.running:
             if (r.status == RequestStatus.RUNNING and r.num_uncomputed == 1 and r.draft is None
-                    and r.request_id not in self._parked):
+                    and r.speculate and r.request_id not in self._parked):
                 self._parked.add(r.request_id)
                 self.pool.submit(self.drafters.drafter_for(r.request_id), r)
 
@@ -249,10 +254,13 @@ class _DraftWorker(threading.Thread):
     def _draft(self, requests: list[Request], stream) -> None:
         lengths = [r.num_tokens for r in requests]  # parked: nobody changes them while we draft
         t0 = time.perf_counter()
-        trees = self.proposer.propose(requests)
+        try:
+            trees, error = self.proposer.propose(requests), None
+        except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
+            trees, error = {}, e
         if stream is not None:
             stream.synchronize()  # tree tensors (draft probabilities) are read on the target's stream
         dt = time.perf_counter() - t0
         share = dt / len(requests)
-        self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share)
+        self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share, error)
                                    for r, n in zip(requests, lengths)], dt)

@@ -71,6 +71,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    speculate: bool = True  # False once a proposer failed on it: plain decoding from then on
     stats: SpecStats = field(default_factory=SpecStats)
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
