@@ -19,6 +19,7 @@ from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.load import load_model
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
+from specfleet.runtime.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
@@ -81,6 +82,8 @@ class LLM:
                                           f"the model handed in is {have or 'dense'}")
         else:
             self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
+        # the server encodes on its tokenizer thread while the engine thread decodes (runtime/tokenizer.py)
+        self.tokenizer = per_thread(self.tokenizer)
         self.model_name = model
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
