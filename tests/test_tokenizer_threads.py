@@ -76,12 +76,10 @@ def test_real_tokenizer_copies_agree_across_threads():
     """Each thread's copy of SmolLM2's tokenizer encodes and decodes exactly as the original."""
     from transformers import AutoTokenizer
 
-    from specfleet.models import registry
+    from conftest import real_model_path
     from specfleet.runtime.loader import tokenizer_folder
 
-    if not registry.is_installed("smollm2-135m"):
-        pytest.skip("SmolLM2 not installed (specfleet models install smollm2-135m)")
-    tok = AutoTokenizer.from_pretrained(tokenizer_folder(registry.resolve_model("smollm2-135m")))
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(real_model_path("smollm2-135m")))
     shared = PerThreadTokenizer(tok)
     text = "def add(a, b):\n    return a + b  # héllo 日本語"
     want = tok.encode(text)

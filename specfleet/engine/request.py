@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.engine.detokenize import IncrementalText
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
@@ -72,6 +73,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     speculate: bool = True  # False once a proposer failed on it: plain decoding from then on
+    detokenized: IncrementalText | None = None  # the output's text so far (the StopChecker's)
     stats: SpecStats = field(default_factory=SpecStats)
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
