@@ -308,6 +308,21 @@ def test_gguf_metadata_out_of_range_names_the_field(tmp_path, key, value, quanti
         load_checkpoint(path, quantization=quantization)
 
 
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("num_key_value_heads", 0),
+                                        ("num_hidden_layers", 0), ("hidden_size", -64), ("vocab_size", "97")])
+def test_config_json_out_of_range_names_the_field(tiny_gguf, tmp_path, key, value):
+    """The same for a checkpoint folder's config.json: num_attention_heads=0 divided by zero and
+    num_key_value_heads=0 silently meant 'as many as the heads'."""
+    arch, path, _, _ = tiny_gguf
+    folder = load_checkpoint(path).folder
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {key: value}))
+    with pytest.raises(ModelLoadError, match=rf"bad/config\.json.*{key}"):
+        load_checkpoint(bad)
+
+
 @pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
 def test_gguf_special_token_outside_the_vocabulary(tmp_path, key):
     path = tmp_path / "bad.gguf"
