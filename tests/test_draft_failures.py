@@ -77,8 +77,9 @@ def test_failed_requests_stop_drafting(target, plain):
     assert proposer.calls == eng.stats.num_draft_failures <= 2  # once for the batch (at most twice: prefill waves)
 
 
-def test_pipelined_drafter_that_raises_now_and_then(target, plain):
-    with PipelinedEngine(target, None, engine_config(target), Flaky("propose"),
+@pytest.mark.parametrize("fail", ["propose", "observe", "release"])
+def test_pipelined_drafter_that_raises_now_and_then(target, plain, fail):
+    with PipelinedEngine(target, None, engine_config(target), Flaky(fail),
                          pipeline=PipelineConfig(num_micro_batches=2)) as eng:
         outs = run_to_completion(eng, prompts_for(8), GREEDY)
     assert [o.token_ids for o in outs] == plain

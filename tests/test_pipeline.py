@@ -192,11 +192,14 @@ def test_pool_keeps_its_bound_and_delivers_messages_in_order():
 
 
 def test_a_dead_drafter_thread_fails_the_step(target):
-    """A failing propose() only turns its requests to plain decoding (test_draft_failures.py); a drafter
-    thread that dies on its messages has state nobody can vouch for, and the step fails."""
+    """A proposer's exception only costs its requests their drafts (test_draft_failures.py); a drafter
+    thread that dies all the same (a BaseException) fails the step instead of leaving it waiting."""
+    class Fatal(BaseException):
+        pass
+
     class Broken(FastProposer):
-        def observe(self, feedback):
-            raise ValueError("boom")
+        def propose(self, requests):
+            raise Fatal("boom")
 
     with PipelinedEngine(target, None, engine_config(target), Broken()) as eng:
         with pytest.raises(PipelineFailed, match="boom"):
