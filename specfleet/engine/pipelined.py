@@ -143,7 +143,8 @@ class PipelinedEngine(Engine):
         for w in self._workers:
             while w.failures:  # a message that raised on the drafter: its requests stop drafting too
                 call, request_ids, error = w.failures.popleft()
-                self._draft_failed([r for rid in request_ids if (r := self.requests.get(rid)) is not None], call, error)
+                affected = [r for rid in request_ids if (r := self.requests.get(rid)) is not None]
+                self._draft_failed(affected, call, error)
         return len(entries)
 
     def _accept(self, e: PoolEntry) -> None:
