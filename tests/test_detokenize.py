@@ -1,6 +1,7 @@
 """Incremental detokenization (engine/detokenize.py): the text equals a full decode after every token,
-on SmolLM2's real byte-level tokenizer with characters split over tokens, and a request's decoding
-work grows linearly with its output, stop strings included."""
+on SmolLM2's real byte-level tokenizer with characters split over tokens and on a SentencePiece-style
+tokenizer with byte fallback, and a request's decoding work grows linearly with its output, stop
+strings included."""
 from __future__ import annotations
 
 import random
@@ -11,8 +12,6 @@ from specfleet.engine.detokenize import IncrementalText
 from specfleet.engine.request import Request
 from specfleet.engine.stop import StopChecker
 from specfleet.sampling_params import SamplingParams
-
-pytestmark = pytest.mark.real_model
 
 TEXT = ("def add(a, b):\n    return a + b  # héllo wörld, 日本語のテキスト 🎉🚀 naïve café — “quotes” "
         "<|im_end|> Ünïcödé ∑∫√ 한국어 ").strip()
@@ -54,6 +53,7 @@ def sequences(tok, n: int = 60, length: int = 80):
             yield ids
 
 
+@pytest.mark.real_model
 def test_equals_full_decode_after_every_token(tok):
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 - the engine's decode
     checked = 0
@@ -65,6 +65,7 @@ def test_equals_full_decode_after_every_token(tok):
     assert checked > 3000
 
 
+@pytest.mark.real_model
 def test_equals_full_decode_when_tokens_come_several_at_a_time(tok):
     """A verification step appends several tokens at once."""
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -98,6 +99,7 @@ def feed(checker: StopChecker, req: Request, ids: list[int]) -> int:
     return len(ids)
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("stop", [[], ["never-there"]])
 def test_decoding_work_is_linear_in_the_output(tok, stop):
     counting = CountingTokenizer(tok)
@@ -109,6 +111,7 @@ def test_decoding_work_is_linear_in_the_output(tok, stop):
     assert counting.decoded < 30 * len(ids), f"{counting.decoded} ids decoded for {len(ids)} tokens"
 
 
+@pytest.mark.real_model
 def test_stop_strings_cut_where_a_full_decode_cuts(tok):
     rng = random.Random(2)
     text_ids = tok.encode(TEXT * 3)
@@ -122,3 +125,33 @@ def test_stop_strings_cut_where_a_full_decode_cuts(tok):
         k = next(k for k in range(1, len(text_ids) + 1) if stop in tok.decode(text_ids[:k], skip_special_tokens=True))
         assert n == k and req.stop_reason == stop
         assert checker.text(req) == full_text[:full_text.index(stop)]
+
+
+def sentencepiece_tokenizer():
+    """Llama-2 / Gemma style decoding: "▁" for spaces, byte-fallback pieces <0x00>..<0xFF> (here also every
+    ASCII character, so runs of them are long), the first token's leading space stripped."""
+    from tokenizers import AddedToken, Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ["▁", "▁hello", "▁world", "hel", "lo", "▁the", "▁日本", "語", ".", "▁.", "'s"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    return tok
+
+
+def test_byte_fallback_runs_equal_full_decode():
+    """A byte run that an invalid byte turns into U+FFFD as a whole, after its characters were shown."""
+    tok = sentencepiece_tokenizer()
+    rng = random.Random(4)
+    pieces = [0xE6, 0x97, 0xA5, 0xF0, 0x9F, 0x8E, 0x89, 0xC3, 0xA9, 0x20]  # 日, 🎉, é, a space: and stray bytes
+    for _ in range(200):
+        ids = [rng.choice(pieces) if rng.random() < 0.6 else rng.randrange(tok.get_vocab_size()) for _ in range(50)]
+        checker = StopChecker(tok, (), 100_000)
+        req = Request("r", [1], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        for k, t in enumerate(ids, 1):
+            checker.append(req, t, "target")
+            assert checker.text(req) == tok.decode(ids[:k], skip_special_tokens=True), ids[:k]

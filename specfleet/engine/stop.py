@@ -10,7 +10,7 @@ before them, not the whole output, and the text equals a full decode.
 """
 from __future__ import annotations
 
-from specfleet.engine.detokenize import REPLACEMENT, IncrementalText
+from specfleet.engine.detokenize import REPLACEMENT, IncrementalText, byte_piece_ids
 from specfleet.engine.request import Request
 
 
@@ -21,6 +21,7 @@ class StopChecker:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.max_model_len = max_model_len
+        self._byte_ids: frozenset[int] | None = None  # the tokenizer's byte-fallback pieces, read on first use
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -37,7 +38,9 @@ class StopChecker:
         if self.tokenizer is None:
             return ""
         if req.detokenized is None:
-            req.detokenized = IncrementalText(self.decode)
+            if self._byte_ids is None:
+                self._byte_ids = byte_piece_ids(self.tokenizer)
+            req.detokenized = IncrementalText(self.decode, self._byte_ids)
         return req.detokenized.update(req.output_token_ids)
 
     def append(self, req: Request, token: int, origin: str) -> bool:
