@@ -97,3 +97,23 @@ def test_real_tokenizer_copies_agree_across_threads():
         th.join()
     assert len(results) == 150 and all(all(r) for r in results)
     assert shared.chat_template == tok.chat_template and shared.eos_token_id == tok.eos_token_id
+
+
+@pytest.mark.real_model
+def test_cross_vocabulary_codec_uses_the_calling_threads_copy():
+    """A cross-vocabulary draft's codec, built once on the main thread, must not pin that thread's copy:
+    drafter threads use it too."""
+    from transformers import AutoTokenizer
+
+    from conftest import real_model_path
+    from specfleet.drafting.text_align import TextCodec
+    from specfleet.runtime.loader import tokenizer_folder
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(real_model_path("smollm2-135m")))
+    codec = TextCodec(PerThreadTokenizer(tok))
+    here = codec.tokenizer
+    there = []
+    thread = threading.Thread(target=lambda: there.append((codec.tokenizer, codec.encode("héllo"))))
+    thread.start()
+    thread.join()
+    assert there[0][0] is not here and there[0][1] == codec.encode("héllo")
