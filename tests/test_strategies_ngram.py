@@ -237,6 +237,20 @@ def test_a_bounded_model_still_predicts_a_repetitive_stream():
     assert hits["bounded"] >= 0.97 * hits["unbounded"] and hits["bounded"] > 0.9 * 10_000, hits
 
 
+def test_loaded_tables_are_kept_and_the_bound_comes_on_top_of_them():
+    """Tables from a file (here: built with add) are never forgotten, and learning still has max_entries
+    of room beyond them, even when the file alone is larger than that."""
+    model = NgramModel(3, max_entries=1000)
+    model.add(fresh_stream(3000, seed=5))
+    built = {n: {ctx: dict(row) for ctx, row in t.items()} for n, t in enumerate(model.tables)}
+    base = model.num_entries
+    learn_as_requests(model, fresh_stream(10_000, seed=6))
+    assert base < model.num_entries <= base + 1000 and 0 < model.num_learned_tokens <= 1000
+    for n, table in built.items():
+        for ctx, row in table.items():
+            assert all(model.tables[n][ctx][tok] >= c for tok, c in row.items())
+
+
 def test_max_entries_is_a_table_setting_of_the_draft_spec():
     from specfleet.strategies.factory import SpecConfig, build_proposer
 

@@ -17,7 +17,8 @@ the suffix trie's node cap does (drafting/suffix_tree.py): beyond it the tokens 
 are forgotten (their counts taken back, entries that reach zero removed), requests least recently
 learned first and each from its first token on, so the tables describe the most recent stream. The
 same bound caps the learned tokens the model keeps to take counts back (`_Learned`). Tables built
-with `add` (`specfleet ngram build`) or loaded from a file are not learned, so never forgotten.
+with `add` (`specfleet ngram build`) or loaded from a file are not learned, so never forgotten, and
+the bound counts the entries learning adds beyond them.
 
 `propose_tree` expands the best-first tree (by cumulative probability, like the draft model's tree)
 that NgramProposer sends to the target and StagedProposer sends to the draft model.
@@ -106,6 +107,8 @@ class NgramModel:
         # every proposer sharing the tables counts a request once
         self._learned: dict[str, _Learned] = {}
         self.num_learned_tokens = 0  # sum of num_counted over _learned
+        # entries the tables had when online learning began (built or loaded): max_entries comes on top
+        self._base_entries: int | None = None
 
     # -- learning --------------------------------------------------------------------------------
     def add(self, tokens: list[int], start: int = 0) -> None:
@@ -140,6 +143,8 @@ class NgramModel:
     def learn(self, request_id: str, tokens: list[int]) -> None:
         """Count a request's tokens that were not counted before (call it as the request grows), then
         forget the oldest learned tokens while the tables are over `max_entries`."""
+        if self._base_entries is None:
+            self._base_entries = self.num_entries
         learned = self._learned.pop(request_id, None) or _Learned()  # re-inserted below: most recent last
         self._learned[request_id] = learned
         if learned.end < len(tokens):
@@ -156,7 +161,7 @@ class NgramModel:
         requests least recently learned first, each from its first token on. `keep` (the request just
         learned) keeps its record, so a request longer than the bound is forgotten from its start on,
         as a sliding window, and never counted again from zero."""
-        while self.num_entries > self.max_entries or self.num_learned_tokens > self.max_entries:
+        while self.num_entries > self._base_entries + self.max_entries or self.num_learned_tokens > self.max_entries:
             request_id, learned = next(iter(self._learned.items()))
             if learned.num_counted == 0:
                 if request_id == keep:  # only unlearnable (built or loaded) entries are left
