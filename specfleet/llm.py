@@ -19,6 +19,7 @@ from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.load import load_model
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
+from specfleet.runtime.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
@@ -81,6 +82,8 @@ class LLM:
                                           f"the model handed in is {have or 'dense'}")
         else:
             self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
+        # the server encodes on its tokenizer thread while the engine thread decodes (runtime/tokenizer.py)
+        self.tokenizer = per_thread(self.tokenizer)
         self.model_name = model
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
@@ -131,7 +134,18 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_ids)
         if len(plist) != len(prompt_ids):
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompt_ids)} prompts")
-        reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, plist)]
+        for ids, p in zip(prompt_ids, plist):  # all of them first: a bad k-th prompt queues none
+            self.engine.check_request(ids, p)
+        reqs = []
+        try:
+            reqs.extend(self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, plist))
+            return self._collect(reqs, prompts, use_tqdm)
+        finally:  # an exception or Ctrl-C mid-call must not leave its requests to run in the next call
+            for r in reqs:
+                self.engine.abort(r.request_id)
+
+    def _collect(self, reqs: list, prompts: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `reqs` finished; their outputs in order."""
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm)
@@ -146,9 +160,18 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[tuple[str, RequestOutput]]:
-        """Yield (new text, output so far) as tokens arrive; holds back incomplete UTF-8 characters."""
+        """Yield (new text, output so far) as tokens arrive; holds back incomplete UTF-8 characters.
+
+        Closing the generator early (`close()`, `break` out of a for loop, dropping it) aborts the
+        request, which would otherwise stay queued and run in the next call."""
         ids = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else self.encode(prompt)
         req = self.engine.add_request(ids, params or SamplingParams())
+        try:
+            yield from self._stream(req)
+        finally:
+            self.engine.abort(req.request_id)
+
+    def _stream(self, req) -> Iterator[tuple[str, RequestOutput]]:
         sent = ""
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -158,6 +181,8 @@ class LLM:
                 if len(text) > len(sent) or out.finished:
                     yield text[len(sent):], out
                     sent = text
+                if out.finished:
+                    return
 
     def aggregate_stats(self) -> dict:
         return self.engine.stats.as_dict()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -100,10 +101,12 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = (),
+               metadata: dict | None = None) -> dict[str, torch.Tensor]:
     """Write `model` as llama.cpp would; return the HF-named float32 tensors a loader must recover.
 
     One tensor is stored as Q8_0 and one as F16, so the expected values are their round trips.
+    `metadata` (full key -> value) overrides what the writer derived from the model: damaged files.
     """
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -113,6 +116,10 @@ def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = ()) -> dict
     if arch == "llama":
         w.add_key_length(cfg.head_dim)
     write_tiny_tokenizer(w, cfg)
+    for key, value in (metadata or {}).items():
+        kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else (
+            gguf.GGUFValueType.UINT32 if value >= 0 else gguf.GGUFValueType.INT32)
+        w.add_key_value(key, value, kind)
     expected: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if (name == "lm_head.weight" and cfg.tie_word_embeddings) or gguf_name(name) in skip:
@@ -282,6 +289,72 @@ def test_missing_tensor_in_gguf(tmp_path):
     write_gguf(path, tiny_hf_model("qwen2"), "qwen2", skip=("blk.1.ffn_up.weight",))
     with pytest.raises(ModelLoadError, match=r"holey\.gguf.*missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("attention.head_count", 0), ("attention.head_count_kv", 0), ("attention.head_count_kv", 8),
+    ("block_count", 0), ("block_count", 2**31), ("embedding_length", 0), ("feed_forward_length", 0),
+    ("context_length", 0), ("attention.key_length", 15), ("attention.key_length", 0),
+    ("attention.layer_norm_rms_epsilon", 0.0), ("rope.freq_base", float("nan")), ("rope.freq_base", -1.0),
+    ("block_count", -1),
+])
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_gguf_metadata_out_of_range_names_the_field(tmp_path, key, value, quantization):
+    """Each number the loader reads is range-checked: no ZeroDivisionError, no silent default for a zero
+    head_count_kv, no zero-layer model, no hour-long loop over 2**31 layers."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tiny_hf_model("llama"), "llama", metadata={f"llama.{key}": value})
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf.*llama\.{re.escape(key)}"):
+        load_checkpoint(path, quantization=quantization)
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("num_key_value_heads", 0),
+                                        ("num_hidden_layers", 0), ("hidden_size", -64), ("vocab_size", "97")])
+def test_config_json_out_of_range_names_the_field(tiny_gguf, tmp_path, key, value):
+    """The same for a checkpoint folder's config.json: num_attention_heads=0 divided by zero and
+    num_key_value_heads=0 silently meant 'as many as the heads'."""
+    arch, path, _, _ = tiny_gguf
+    folder = load_checkpoint(path).folder
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {key: value}))
+    with pytest.raises(ModelLoadError, match=rf"bad/config\.json.*{key}"):
+        load_checkpoint(bad)
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
+def test_gguf_special_token_outside_the_vocabulary(tmp_path, key):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tiny_hf_model("qwen2"), "qwen2", metadata={f"tokenizer.ggml.{key}": 10**6})
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf.*tokenizer\.ggml\.{key}"):
+        load_checkpoint(path, quantization="gguf")
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_gguf_tensor_that_does_not_fit_the_heads(tmp_path, quantization):
+    """6 heads of 16 (valid numbers, but a q_proj of 64 rows): un-permuting the rows cannot split them into
+    heads; the error names the tensor instead of surfacing numpy's bare ValueError."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tiny_hf_model("llama"), "llama", metadata={"llama.attention.head_count": 6})
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf.*'blk\.0\.attn_q\.weight'.*does not fit"):
+        load_checkpoint(path, quantization=quantization)
+
+
+def test_quantized_gguf_tensor_that_does_not_fit_the_heads(tmp_path):
+    """The same through QTensor rows (a Q8_0 q_proj kept in its block format)."""
+    from tiny_quant_models import write_quantized_gguf
+
+    path = tmp_path / "bad.gguf"
+    model = tiny_hf_model("llama")
+    real = gguf.GGUFWriter.add_head_count
+    try:  # the writer takes its head count from the model's config; this file claims 6
+        gguf.GGUFWriter.add_head_count = lambda self, count: real(self, 6)
+        write_quantized_gguf(path, model, "llama")
+    finally:
+        gguf.GGUFWriter.add_head_count = real
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf.*'blk\.0\.attn_q\.weight'.*does not fit"):
+        load_checkpoint(path, quantization="gguf")
 
 
 def test_unsupported_arch_in_gguf(tmp_path):

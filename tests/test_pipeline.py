@@ -191,10 +191,15 @@ def test_pool_keeps_its_bound_and_delivers_messages_in_order():
     assert seen.index(("draft", "r7")) < seen.index(("msg", "r7")), "a release never overtakes its draft"
 
 
-def test_a_failing_drafter_fails_the_step(target):
+def test_a_dead_drafter_thread_fails_the_step(target):
+    """A proposer's exception only costs its requests their drafts (test_draft_failures.py); a drafter
+    thread that dies all the same (a BaseException) fails the step instead of leaving it waiting."""
+    class Fatal(BaseException):
+        pass
+
     class Broken(FastProposer):
         def propose(self, requests):
-            raise ValueError("boom")
+            raise Fatal("boom")
 
     with PipelinedEngine(target, None, engine_config(target), Broken()) as eng:
         with pytest.raises(PipelineFailed, match="boom"):

@@ -147,3 +147,114 @@ def test_sampled_staged_chain_records_a_draft_row_per_token(models):
     assert len(tree) == 5 and tree.draft_probs.shape == (5, 97)
     assert torch.allclose(tree.draft_probs.sum(-1), torch.ones(5))
     assert all(tree.draft_probs[i, t] > 0 for i, t in enumerate(tree.token_ids))
+
+
+# ---- bounded memory: online learning forgets the oldest tokens beyond max_entries ----
+
+def fresh_stream(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5000, (n,), generator=g).tolist()
+
+
+def motif_stream(n, motifs, seed=0):
+    import random
+
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        out.extend(rng.choice(motifs))
+    return out[:n]
+
+
+def learn_as_requests(model, stream, per_request=500, step=3, first=0):
+    """Learn `stream` as an engine would: requests of `per_request` tokens growing `step` tokens a step
+    (named after their first token's place in the whole stream, which `stream` starts at `first`)."""
+    for r in range(0, len(stream), per_request):
+        seq = stream[r:r + per_request]
+        for end in range(step, len(seq) + step, step):
+            model.learn(f"r{first + r}", seq[:end])
+
+
+def what_it_counts(model):
+    """A model that counted exactly the tokens `model` still remembers learning (its reference)."""
+    ref = NgramModel(model.order)
+    for learned in model._learned.values():
+        toks = list(learned.tokens)
+        c = len(toks) - learned.num_counted
+        ref.add(toks, start=c)
+    return ref
+
+
+def test_learning_stays_within_max_entries_and_forgets_the_oldest_first():
+    import tracemalloc
+
+    model = NgramModel(3, max_entries=3000)
+    stream = fresh_stream(40_000)
+    tracemalloc.start()
+    learn_as_requests(model, stream[:10_000])
+    early, _ = tracemalloc.get_traced_memory()
+    learn_as_requests(model, stream[10_000:], first=10_000)
+    late, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert model.num_entries <= 3000 and model.num_learned_tokens <= 3000
+    assert late < early * 1.2, f"memory grew from {early:,} to {late:,} bytes"
+    # what is left is the newest stream, counted exactly as if only it had been learned
+    assert model.tables == what_it_counts(model).tables
+    assert set(model._learned) <= {f"r{r}" for r in range(35_000, 40_000, 500)}
+    assert sum(model.totals[0].values()) == model.num_learned_tokens
+
+
+def test_one_request_longer_than_the_bound_is_a_sliding_window():
+    model = NgramModel(3, max_entries=1000)
+    stream = fresh_stream(5000, seed=1)
+    for end in range(1, len(stream) + 1, 7):
+        model.learn("long", stream[:end])
+    model.learn("long", stream)
+    learned = model._learned["long"]
+    assert learned.end == len(stream) and model.num_entries <= 1000
+    ref = NgramModel(3)
+    ref.add(stream, start=learned.first)
+    assert model.tables == ref.tables
+    model.learn("long", stream)  # nothing new: nothing counted again
+    assert model.tables == ref.tables
+
+
+def test_a_bounded_model_still_predicts_a_repetitive_stream():
+    """Acceptance stays useful: on a stream of recurring motifs, the top guess of tables bounded to a few
+    thousand entries and tokens is right about as often as that of tables that kept everything."""
+    import random
+
+    rng = random.Random(3)
+    motifs = [[rng.randrange(5000) for _ in range(rng.randint(5, 30))] for _ in range(40)]
+    stream = motif_stream(60_000, motifs)
+    bounded, unbounded = NgramModel(3, max_entries=3000), NgramModel(3, max_entries=10**9)
+    hits = {"bounded": 0, "unbounded": 0}
+    for model, name in ((bounded, "bounded"), (unbounded, "unbounded")):
+        learn_as_requests(model, stream[:50_000])
+        for i in range(50_000, 60_000):
+            guess = model.candidates(stream[i - 2:i], 1)
+            hits[name] += bool(guess) and guess[0][0] == stream[i]
+    assert bounded.num_entries < unbounded.num_entries / 2  # (5868 kept by the unbounded tables here)
+    assert hits["bounded"] >= 0.97 * hits["unbounded"] and hits["bounded"] > 0.9 * 10_000, hits
+
+
+def test_loaded_tables_are_kept_and_the_bound_comes_on_top_of_them():
+    """Tables from a file (here: built with add) are never forgotten, and learning still has max_entries
+    of room beyond them, even when the file alone is larger than that."""
+    model = NgramModel(3, max_entries=1000)
+    model.add(fresh_stream(3000, seed=5))
+    built = {n: {ctx: dict(row) for ctx, row in t.items()} for n, t in enumerate(model.tables)}
+    base = model.num_entries
+    learn_as_requests(model, fresh_stream(10_000, seed=6))
+    assert base < model.num_entries <= base + 1000 and 0 < model.num_learned_tokens <= 1000
+    for n, table in built.items():
+        for ctx, row in table.items():
+            assert all(model.tables[n][ctx][tok] >= c for tok, c in row.items())
+
+
+def test_max_entries_is_a_table_setting_of_the_draft_spec():
+    from specfleet.strategies.factory import SpecConfig, build_proposer
+
+    proposer = build_proposer("ngram[max_entries=1234]", SpecConfig(4, 1, 16), 97, torch.float32, torch.device("cpu"))
+    assert proposer.model.max_entries == 1234
+    with pytest.raises(InvalidRequestError, match="max_entries"):
+        build_proposer("ngram[max_entries=0]", SpecConfig(4, 1, 16), 97, torch.float32, torch.device("cpu"))

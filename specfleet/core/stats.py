@@ -28,6 +28,8 @@ class SpecStats:
     drafts_used: dict[str, int] = field(default_factory=dict)  # proposer name -> steps it drafted
     drafted_by: dict[str, int] = field(default_factory=dict)  # proposer name -> draft tokens it sent
     accepted_by: dict[str, int] = field(default_factory=dict)  # proposer name -> its tokens accepted
+    # proposer calls that raised; the requests they were for went on by plain decoding (engine.py)
+    num_draft_failures: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
         self.num_steps += 1
@@ -54,6 +56,7 @@ class SpecStats:
             self.accepted_at_depth[k] += c
         self.draft_time += other.draft_time
         self.verify_time += other.verify_time
+        self.num_draft_failures += other.num_draft_failures
         for mine, theirs in ((self.drafts_used, other.drafts_used), (self.drafted_by, other.drafted_by),
                              (self.accepted_by, other.accepted_by)):
             for name, c in theirs.items():
@@ -93,4 +96,5 @@ class SpecStats:
             "goodput_tok_s": round(self.goodput, 2),
             "drafts_used": dict(self.drafts_used),
             "acceptance_by_draft": {k: round(v, 4) for k, v in self.acceptance_by_draft().items()},
+            "draft_failures": self.num_draft_failures,
         }

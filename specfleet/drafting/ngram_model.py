@@ -11,6 +11,15 @@ and d once, so after "... a b" the model offers c (2/3), then d (1/3). After "..
 context (x, b) is unknown, so it backs off to the bigram context (b,) with the same counts, and
 after an unknown token to the unigram table (a: 3, b: 3, c: 2, d: 1).
 
+Memory: learning online counts every prompt and committed token, about 240 bytes per new table entry
+and up to `order` new entries per token, for as long as the server runs. `max_entries` bounds it as
+the suffix trie's node cap does (drafting/suffix_tree.py): beyond it the tokens learned longest ago
+are forgotten (their counts taken back, entries that reach zero removed), requests least recently
+learned first and each from its first token on, so the tables describe the most recent stream. The
+same bound caps the learned tokens the model keeps to take counts back (`_Learned`). Tables built
+with `add` (`specfleet ngram build`) or loaded from a file are not learned, so never forgotten, and
+the bound counts the entries learning adds beyond them.
+
 `propose_tree` expands the best-first tree (by cumulative probability, like the draft model's tree)
 that NgramProposer sends to the target and StagedProposer sends to the draft model.
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +40,10 @@ from specfleet.core.tree import DraftTree
 
 FORMAT = "specfleet-ngram"
 MAX_TRACKED = 10_000  # requests whose counted length is remembered
+# About 240 bytes an entry (tracemalloc, the kept learned tokens included): 250k entries take ~60 MB and
+# hold the last ~100k tokens of fresh text at order 3 (2.4 new entries a token); a repetitive stream reuses
+# its entries, and then the last 250k tokens are what the tables count.
+DEFAULT_MAX_ENTRIES = 250_000
 
 
 @dataclass(frozen=True)
@@ -44,30 +58,57 @@ class NgramConfig:
     min_prob: float = 0.1
     learn_online: bool = True  # add every prompt and committed token to the tables as they arrive
     path: str | None = None  # tables to load at start (built by `specfleet ngram build`)
+    max_entries: int = DEFAULT_MAX_ENTRIES  # bound on the tables and learned tokens (the module doc's Memory)
 
     def validate(self) -> None:
         if self.order < 1 or self.min_count < 1:
             raise InvalidRequestError(f"ngram: order and min_count must be >= 1, got {self.order}, {self.min_count}")
+        if self.max_entries < 1:
+            raise InvalidRequestError(f"ngram: max_entries must be >= 1, got {self.max_entries}")
         if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1:
             raise InvalidRequestError("ngram: num_speculative_tokens, top_children and max_nodes must be >= 1")
         if not 0.0 <= self.min_prob <= 1.0:
             raise InvalidRequestError(f"ngram: min_prob must be in [0, 1], got {self.min_prob}")
 
 
+class _Learned:
+    """What a request taught the tables: its tokens from `first` (the oldest still counted) to `end`
+    (counted so far), kept with the order - 1 tokens before `first` that its n-grams need as context,
+    so the counts can be taken back."""
+
+    __slots__ = ("tokens", "first", "end")
+
+    def __init__(self):
+        self.tokens: deque[int] = deque()  # positions first - len(context) .. end - 1
+        self.first = 0
+        self.end = 0
+
+    @property
+    def num_counted(self) -> int:
+        return self.end - self.first
+
+
 class NgramModel:
-    def __init__(self, order: int = 3, min_count: int = 1):
-        if order < 1 or min_count < 1:
-            raise InvalidRequestError(f"an n-gram model needs order >= 1 and min_count >= 1, got {order}, {min_count}")
+    def __init__(self, order: int = 3, min_count: int = 1, max_entries: int = DEFAULT_MAX_ENTRIES):
+        if order < 1 or min_count < 1 or max_entries < 1:
+            raise InvalidRequestError(f"an n-gram model needs order, min_count and max_entries >= 1, got {order}, "
+                                      f"{min_count}, {max_entries}")
         self.order = order
         self.min_count = min_count
+        self.max_entries = max_entries
         # tables[n - 1][context of n - 1 tokens][next token] = count
         self.tables: list[dict[tuple[int, ...], dict[int, int]]] = [{} for _ in range(order)]
         self.totals: list[dict[tuple[int, ...], int]] = [{} for _ in range(order)]
+        self.num_entries = 0  # (context, next token) pairs in the tables
         self._ranked: dict[tuple[int, tuple[int, ...]], list[tuple[int, float]]] = {}  # cache of sorted rows
-        # request id -> tokens of it already counted. Kept past a request's release (a preempted
-        # request comes back under its id and must not be counted twice), oldest dropped beyond
-        # MAX_TRACKED; one set per model, so every proposer sharing the tables counts a request once
-        self._counted: dict[str, int] = {}
+        # request id -> what it taught, least recently learned first. Kept past a request's release (a
+        # preempted request comes back under its id and must not be counted twice) until its counts are
+        # forgotten (see the module doc's Memory), or beyond MAX_TRACKED requests; one per model, so
+        # every proposer sharing the tables counts a request once
+        self._learned: dict[str, _Learned] = {}
+        self.num_learned_tokens = 0  # sum of num_counted over _learned
+        # entries the tables had when online learning began (built or loaded): max_entries comes on top
+        self._base_entries: int | None = None
 
     # -- learning --------------------------------------------------------------------------------
     def add(self, tokens: list[int], start: int = 0) -> None:
@@ -78,20 +119,73 @@ class NgramModel:
             for n in range(1, self.order + 1):
                 if i - (n - 1) < 0:
                     break
-                ctx = tuple(tokens[i - n + 1:i])
-                row = self.tables[n - 1].setdefault(ctx, {})
-                row[nxt] = row.get(nxt, 0) + 1
-                self.totals[n - 1][ctx] = self.totals[n - 1].get(ctx, 0) + 1
-                self._ranked.pop((n, ctx), None)
+                self._count(n, tuple(tokens[i - n + 1:i]), nxt, 1)
+
+    def _count(self, n: int, ctx: tuple[int, ...], nxt: int, delta: int) -> None:
+        """Add `delta` to the count of `nxt` after `ctx` in the order-n table; a count of zero goes."""
+        table, totals = self.tables[n - 1], self.totals[n - 1]
+        row = table.setdefault(ctx, {})
+        count = row.get(nxt, 0) + delta
+        if count > 0:
+            self.num_entries += nxt not in row
+            row[nxt] = count
+        elif nxt in row:
+            del row[nxt]
+            self.num_entries -= 1
+        total = totals.get(ctx, 0) + delta
+        if total > 0:
+            totals[ctx] = total
+        else:
+            totals.pop(ctx, None)
+            table.pop(ctx, None)
+        self._ranked.pop((n, ctx), None)
 
     def learn(self, request_id: str, tokens: list[int]) -> None:
-        """Count a request's tokens that were not counted before (call it as the request grows)."""
-        start = self._counted.pop(request_id, 0)  # re-inserted below: most recent last
-        if start < len(tokens):
-            self.add(tokens, start)
-        self._counted[request_id] = max(start, len(tokens))
-        while len(self._counted) > MAX_TRACKED:
-            del self._counted[next(iter(self._counted))]
+        """Count a request's tokens that were not counted before (call it as the request grows), then
+        forget the oldest learned tokens while the tables are over `max_entries`."""
+        if self._base_entries is None:
+            self._base_entries = self.num_entries
+        learned = self._learned.pop(request_id, None) or _Learned()  # re-inserted below: most recent last
+        self._learned[request_id] = learned
+        if learned.end < len(tokens):
+            self.add(tokens, learned.end)
+            learned.tokens.extend(tokens[learned.end:])
+            self.num_learned_tokens += len(tokens) - learned.end
+            learned.end = len(tokens)
+        while len(self._learned) > MAX_TRACKED:
+            self._forget_all(next(iter(self._learned)))
+        self._evict(request_id)
+
+    def _evict(self, keep: str) -> None:
+        """Forget the oldest learned tokens until the tables and the kept tokens fit `max_entries`:
+        requests least recently learned first, each from its first token on. `keep` (the request just
+        learned) keeps its record, so a request longer than the bound is forgotten from its start on,
+        as a sliding window, and never counted again from zero."""
+        while self.num_entries > self._base_entries + self.max_entries or self.num_learned_tokens > self.max_entries:
+            request_id, learned = next(iter(self._learned.items()))
+            if learned.num_counted == 0:
+                if request_id == keep:  # only unlearnable (built or loaded) entries are left
+                    return
+                del self._learned[request_id]
+                continue
+            self._forget_first(learned)
+
+    def _forget_all(self, request_id: str) -> None:
+        learned = self._learned.pop(request_id)
+        while learned.num_counted:
+            self._forget_first(learned)
+
+    def _forget_first(self, learned: _Learned) -> None:
+        """Take back the counts of the n-grams ending at the request's oldest counted token."""
+        toks = learned.tokens
+        c = len(toks) - learned.num_counted  # context tokens kept before it (order - 1 once there are enough)
+        nxt = toks[c]
+        for n in range(1, min(self.order, c + 1) + 1):
+            self._count(n, tuple(toks[j] for j in range(c - n + 1, c)), nxt, -1)
+        learned.first += 1
+        self.num_learned_tokens -= 1
+        if c == self.order - 1:
+            toks.popleft()
 
     # -- queries ---------------------------------------------------------------------------------
     def backoff_order(self, context: list[int]) -> int:
@@ -146,10 +240,6 @@ class NgramModel:
                 offer(len(tokens) - 1, -neg)
         return DraftTree(tokens, parents, [origin] * len(tokens))
 
-    @property
-    def num_entries(self) -> int:
-        return sum(len(row) for table in self.tables for row in table.values())
-
     # -- files -----------------------------------------------------------------------------------
     def save(self, path: str | Path, min_count: int = 1) -> None:
         """Write the tables; entries counted fewer than `min_count` times are pruned from the file."""
@@ -161,7 +251,7 @@ class NgramModel:
         path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
 
     @classmethod
-    def load(cls, path: str | Path, min_count: int = 1) -> "NgramModel":
+    def load(cls, path: str | Path, min_count: int = 1, max_entries: int = DEFAULT_MAX_ENTRIES) -> "NgramModel":
         path = Path(path)
         try:
             raw = path.read_bytes()
@@ -173,7 +263,7 @@ class NgramModel:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != 1:
             raise InvalidRequestError(f"{str(path)!r} is not a version-1 {FORMAT} file; build one with "
                                       f"`specfleet ngram build`")
-        model = cls(int(doc["order"]), min_count)
+        model = cls(int(doc["order"]), min_count, max_entries)
         try:
             for key, entries in doc["tables"].items():
                 n = int(key)
@@ -181,8 +271,7 @@ class NgramModel:
                     *ctx, tok, c = (int(x) for x in e)
                     if len(ctx) != n - 1 or c < 1:
                         raise ValueError(f"entry {e} does not fit order {n}")
-                    model.tables[n - 1].setdefault(tuple(ctx), {})[tok] = c
-                    model.totals[n - 1][tuple(ctx)] = model.totals[n - 1].get(tuple(ctx), 0) + c
+                    model._count(n, tuple(ctx), tok, c)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise InvalidRequestError(f"n-gram table file {str(path)!r} is corrupt: {e}") from e
         return model
@@ -195,8 +284,8 @@ class NgramProposer:
         self.config = config or NgramConfig()
         self.config.validate()
         if model is None:
-            model = NgramModel.load(self.config.path, self.config.min_count) if self.config.path \
-                else NgramModel(self.config.order, self.config.min_count)
+            model = NgramModel.load(self.config.path, self.config.min_count, self.config.max_entries) \
+                if self.config.path else NgramModel(self.config.order, self.config.min_count, self.config.max_entries)
         self.model = model
         self.name = name
 
@@ -225,4 +314,4 @@ class NgramProposer:
         pass  # committed tokens are learned at the next propose, drafted or not
 
     def release(self, request_id: str) -> None:
-        pass  # the model remembers what it counted of the request (see NgramModel._counted)
+        pass  # the model remembers what it counted of the request (see NgramModel._learned)

@@ -35,11 +35,17 @@ class TextCodec:
     def __init__(self, tokenizer, what: str = "tokenizer"):
         from specfleet.errors import InvalidRequestError
 
-        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # the Rust tokenizer behind a fast one
+        self._source = tokenizer
+        backend = self.tokenizer
         if not (hasattr(backend, "encode") and hasattr(backend, "decode") and hasattr(backend, "get_vocab")):
             raise InvalidRequestError(f"the {what} ({type(tokenizer).__name__}) cannot encode and decode text; "
                                       f"a cross-vocabulary draft needs a tokenizers-backed tokenizer")
-        self.tokenizer = backend
+
+    @property
+    def tokenizer(self):
+        """The Rust tokenizer behind a fast one, looked up at each use: behind LLM's per-thread tokenizer
+        (runtime/tokenizer.py) that is the calling thread's copy, so drafter threads never share one."""
+        return getattr(self._source, "backend_tokenizer", self._source)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else []

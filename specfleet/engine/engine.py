@@ -6,6 +6,7 @@ the schedule through the StepExecutor and then drafts for every request that is 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -25,6 +26,8 @@ from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_runner import ModelRunner
 from specfleet.runtime.sampling import make_generator
 from specfleet.sampling_params import SamplingParams
+
+logger = logging.getLogger("specfleet.engine")
 
 
 class Engine:
@@ -58,10 +61,17 @@ class Engine:
         self._ids = itertools.count()
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError unless `add_request` takes this prompt with these params; a batch is
+        checked whole with it before any of it is queued (LLM.generate)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        self.check_request(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -89,7 +99,10 @@ class Engine:
     def _release_draft(self, request_id: str) -> None:
         """The request finished or was preempted: its draft state goes."""
         if self.proposer is not None:
-            self.proposer.release(request_id)
+            try:
+                self.proposer.release(request_id)
+            except Exception as e:  # noqa: BLE001 - counted; the request finishes all the same
+                self._draft_failed([], "release", e)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -102,9 +115,30 @@ class Engine:
         outputs, feedback = self.executor.execute(sched)
         if self.proposer is not None:
             if feedback:
-                self.proposer.observe(feedback)
+                self._observe(feedback)
             self._propose()
         return outputs
+
+    def _observe(self, feedback: list) -> None:
+        try:
+            self.proposer.observe(feedback)
+        except Exception as e:  # noqa: BLE001 - a draft source's bug must not stop the engine (_draft_failed)
+            self._draft_failed([r for fb in feedback if (r := self.requests.get(fb.request_id)) is not None],
+                               "observe", e)
+
+    def _draft_failed(self, requests: list[Request], call: str, error: Exception) -> None:
+        """A proposer call raised: the requests it was for go on by plain decoding, which verification
+        makes give the same output as speculation, and their draft state is dropped. Drafts are an
+        optimisation, so one broken draft source must not end the other requests or the engine. Each
+        failure is counted in `stats.num_draft_failures`; the first is logged with its traceback."""
+        self.stats.num_draft_failures += 1
+        if self.stats.num_draft_failures == 1:
+            logger.error("proposer.%s raised; its %d request(s) continue without speculation (later failures "
+                         "are only counted, in stats.num_draft_failures)", call, len(requests), exc_info=error)
+        for r in requests:
+            r.speculate = False
+            r.draft = None
+            self._release_draft(r.request_id)
 
     def _set_row_cap(self) -> None:
         factor = self.config.scheduler.mixed_step_factor
@@ -117,11 +151,15 @@ class Engine:
 
     def _propose(self) -> None:
         ready = [r for r in self.scheduler.running
-                 if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1 and r.draft is None]
+                 if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1 and r.draft is None and r.speculate]
         if not ready:
             return
         t0 = time.perf_counter()
-        trees = self.proposer.propose(ready)
+        try:
+            trees = self.proposer.propose(ready)
+        except Exception as e:  # noqa: BLE001 - see _draft_failed
+            self._draft_failed(ready, "propose", e)
+            return
         dt = time.perf_counter() - t0
         self.stats.draft_time += dt
         for r in ready:

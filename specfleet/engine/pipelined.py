@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 import torch
 
@@ -133,8 +133,18 @@ class PipelinedEngine(Engine):
             if not all(w.is_alive() for w in self._workers):
                 raise PipelineFailed("a drafter thread is gone")
             entries = self.pool.take(self.pool.capacity, wait_s=0.5, sample=False)
+        failed: dict[Exception, list[Request]] = {}  # one failed propose() call -> its requests
         for e in entries:
             self._accept(e)
+            if e.error is not None:
+                failed.setdefault(e.error, []).append(e.request)
+        for error, requests in failed.items():
+            self._draft_failed([r for r in requests if self.requests.get(r.request_id) is r], "propose", error)
+        for w in self._workers:
+            while w.failures:  # a message that raised on the drafter: its requests stop drafting too
+                call, request_ids, error = w.failures.popleft()
+                affected = [r for rid in request_ids if (r := self.requests.get(rid)) is not None]
+                self._draft_failed(affected, call, error)
         return len(entries)
 
     def _accept(self, e: PoolEntry) -> None:
@@ -177,7 +187,7 @@ class PipelinedEngine(Engine):
         """Park every request whose verification is committed and hand it to its drafter."""
         for r in self.scheduler.running:
             if (r.status == RequestStatus.RUNNING and r.num_uncomputed == 1 and r.draft is None
-                    and r.request_id not in self._parked):
+                    and r.speculate and r.request_id not in self._parked):
                 self._parked.add(r.request_id)
                 self.pool.submit(self.drafters.drafter_for(r.request_id), r)
 
@@ -228,6 +238,9 @@ class _DraftWorker(threading.Thread):
                  num_threads: int | None):
         super().__init__(name=f"specfleet-drafter-{index}", daemon=True)
         self.index, self.proposer, self.pool, self.device, self.num_threads = index, proposer, pool, device, num_threads
+        # (call, request ids, error) of observe/release messages that raised, for the engine thread to apply
+        # (Engine._draft_failed); a deque, so appending here and popping there need no lock
+        self.failures: deque[tuple[str, list[str], Exception]] = deque()
 
     def run(self) -> None:
         try:
@@ -237,22 +250,31 @@ class _DraftWorker(threading.Thread):
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while (claim := self.pool.claim(self.index)) is not None:
                     for kind, payload in claim.messages:
-                        if kind == "observe":
-                            self.proposer.observe(payload)
-                        else:
-                            self.proposer.release(payload)
+                        self._deliver(kind, payload)
                     if claim.requests:
                         self._draft(claim.requests, stream)
         except BaseException as e:  # noqa: BLE001 - handed to the engine thread, which re-raises it
             self.pool.fail(e)
 
+    def _deliver(self, kind: str, payload) -> None:
+        try:
+            if kind == "observe":
+                self.proposer.observe(payload)
+            else:
+                self.proposer.release(payload)
+        except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
+            self.failures.append((kind, [fb.request_id for fb in payload] if kind == "observe" else [payload], e))
+
     def _draft(self, requests: list[Request], stream) -> None:
         lengths = [r.num_tokens for r in requests]  # parked: nobody changes them while we draft
         t0 = time.perf_counter()
-        trees = self.proposer.propose(requests)
+        try:
+            trees, error = self.proposer.propose(requests), None
+        except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
+            trees, error = {}, e
         if stream is not None:
             stream.synchronize()  # tree tensors (draft probabilities) are read on the target's stream
         dt = time.perf_counter() - t0
         share = dt / len(requests)
-        self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share)
+        self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share, error)
                                    for r, n in zip(requests, lengths)], dt)

@@ -10,11 +10,13 @@ plus a truncate of the block table.
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.engine.detokenize import IncrementalText
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
@@ -37,6 +39,9 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
     if n >= max_model_len:
         raise PromptError(f"the prompt has {n} tokens but the context holds {max_model_len}; "
                           f"shorten the prompt (nothing is truncated silently)", code="context_length_exceeded")
+    not_ids = [t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if not_ids:
+        raise PromptError(f"prompt token ids must be integers, got {not_ids[:5]!r}")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -67,6 +72,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    speculate: bool = True  # False once a proposer failed on it: plain decoding from then on
+    detokenized: IncrementalText | None = None  # the output's text so far (the StopChecker's)
     stats: SpecStats = field(default_factory=SpecStats)
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 

@@ -64,6 +64,7 @@ class PoolEntry:
     num_tokens: int
     drafter: int
     draft_time: float  # this request's share of the drafting call, seconds
+    error: Exception | None = None  # what propose() raised (tree None): the engine stops drafting for it
 
 
 @dataclass

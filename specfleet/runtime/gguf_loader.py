@@ -18,8 +18,8 @@ and every later load reads that folder. This module knows the GGUF specifics:
 from __future__ import annotations
 
 import mmap
-
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,7 @@ _LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # archs whose norm weights llama.cpp stored as 1 + weight
 _NORM_SHIFTED_ARCHS = ("gemma3",)
+_DENSE_TYPES = ("F32", "F16", "BF16")
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -99,13 +100,69 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _uniform(value: Any, key: str, path: Path) -> int:
+def _uniform(value: Any, key: str, path: Path) -> Any:
     """Some archs store a per-layer list for head counts; ours need one value for all layers."""
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise UnsupportedModelError(f"{path}: per-layer {key}={value} is not supported")
-        return int(value[0])
-    return int(value)
+        return value[0]
+    return value
+
+
+# The range of every number the loader reads from the metadata. A value outside is a corrupt or hand-edited
+# file, refused here with the field's name: unchecked, head_count=0 ends in a ZeroDivisionError,
+# head_count_kv=0 silently means "as many as head_count", block_count=0 builds a model without layers
+# and block_count=2**31 loops for hours over layers that do not exist. The bounds are generous: the largest
+# open models (hidden 16k-25k, 126 layers, 128 heads, contexts of 1M-10M) lie well inside.
+_INT_RANGES = {
+    "embedding_length": (1, 1 << 17),
+    "feed_forward_length": (1, 1 << 20),
+    "block_count": (1, 1024),
+    "attention.head_count": (1, 1024),
+    "attention.head_count_kv": (1, 1024),
+    "attention.key_length": (2, 1 << 14),
+    "context_length": (1, 1 << 26),
+    "attention.sliding_window": (1, 1 << 26),
+    "attention.sliding_window_pattern": (0, 1024),
+    "vocab_size": (1, 1 << 24),
+}
+# (low, high) open at low: epsilons, rotary bases and scale factors are positive and finite.
+_FLOAT_RANGES = {
+    "attention.layer_norm_rms_epsilon": (0.0, 1.0),
+    "rope.freq_base": (0.0, 1e12),
+    "rope.freq_base_swa": (0.0, 1e12),
+    "rope.scaling.factor": (0.0, 1e6),
+}
+
+
+def _checked_int(value: Any, key: str, path: Path, name: str) -> int:
+    """`value` as an int inside `_INT_RANGES[key]`, or a ModelLoadError naming the field (`name`)."""
+    lo, hi = _INT_RANGES[key]
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and lo <= int(value) <= hi:
+        return int(value)
+    raise ModelLoadError(f"{path}: GGUF {name}={value!r} is out of range: expected an integer in "
+                         f"[{lo}, {hi:,}]; the file is corrupt or was edited by hand")
+
+
+def _checked_float(value: Any, key: str, path: Path, name: str) -> float:
+    """`value` as a float in `_FLOAT_RANGES[key]` (low end excluded; NaN and infinity fail), or a
+    ModelLoadError naming the field (`name`)."""
+    lo, hi = _FLOAT_RANGES[key]
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and lo < float(value) <= hi:
+        return float(value)
+    raise ModelLoadError(f"{path}: GGUF {name}={value!r} is out of range: expected a number in "
+                         f"({lo}, {hi:g}]; the file is corrupt or was edited by hand")
+
+
+def _token_id(reader: GGUFReader, key: str, vocab: int, path: Path) -> int | None:
+    """A special token id from the metadata, which must name a row of the embedding if present."""
+    value = _field(reader, f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= int(value) < vocab:
+        return int(value)
+    raise ModelLoadError(f"{path}: GGUF metadata tokenizer.ggml.{key}={value!r} is not a token id of the "
+                         f"{vocab}-token vocabulary")
 
 
 def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
@@ -124,63 +181,84 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
         return value
 
+    def integer(key: str, default: int | None = None, per_layer: bool = False) -> int:
+        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+        return _checked_int(_uniform(value, key, path) if per_layer else value, key, path, f"{arch}.{key}")
+
+    def number(key: str, default: float | None = None) -> float:
+        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+        return _checked_float(value, key, path, f"{arch}.{key}")
+
     tensor_names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
-    hidden = int(need("embedding_length"))
-    num_heads = _uniform(need("attention.head_count"), "head_count", path)
-    num_kv_heads = _uniform(_field(reader, f"{arch}.attention.head_count_kv", num_heads), "head_count_kv", path)
+    # The embedding's row count is authoritative: `<arch>.vocab_size` is optional metadata.
+    vocab = _checked_int(int(embd.shape[-1]), "vocab_size", path, "token_embd.weight rows (the vocabulary)")
+    hidden = integer("embedding_length")
+    num_heads = integer("attention.head_count", per_layer=True)
+    num_kv_heads = integer("attention.head_count_kv", num_heads, per_layer=True)
+    if num_kv_heads > num_heads:
+        raise ModelLoadError(f"{path}: GGUF {arch}.attention.head_count_kv={num_kv_heads} exceeds "
+                             f"{arch}.attention.head_count={num_heads}")
+    if _field(reader, f"{arch}.attention.key_length") is not None:
+        head_dim = integer("attention.key_length")
+    else:
+        head_dim = hidden // num_heads
+    if head_dim < 2 or head_dim % 2:  # rotary embeddings turn pairs of dimensions
+        raise ModelLoadError(f"{path}: the head size {head_dim} (GGUF {arch}.attention.key_length, or "
+                             f"embedding_length / head_count) must be even and positive")
     # Chat models stop on end-of-turn as well as end-of-text; llama.cpp stores the former as EOT/EOM.
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
-        if token_id is not None and int(token_id) not in eos_ids:
-            eos_ids.append(int(token_id))
+        token_id = _token_id(reader, key, vocab, path)
+        if token_id is not None and token_id not in eos_ids:
+            eos_ids.append(token_id)
     hf = {
         "model_type": arch,
-        # The embedding's row count is authoritative: `<arch>.vocab_size` is optional metadata.
-        "vocab_size": int(embd.shape[-1]),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _uniform(need("feed_forward_length"), "feed_forward_length", path),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": integer("feed_forward_length", per_layer=True),
+        "num_hidden_layers": integer("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "head_dim": head_dim,
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
         # llama.cpp's own default when a file omits the base frequency.
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "rope_theta": number("rope.freq_base", 10000.0),
+        "max_position_embeddings": integer("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": _token_id(reader, "bos_token_id", vocab, path),
         "eos_token_id": eos_ids,
     }
     if arch == "gemma3":
-        hf |= _gemma3_metadata(reader, path, hf, need)
+        hf |= _gemma3_metadata(reader, path, hf, integer, number)
     try:
         return ModelConfig.from_hf_dict(hf)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{path}: {e}") from e
 
 
-def _gemma3_metadata(reader: GGUFReader, path: Path, hf: dict, need) -> dict:
-    """Gemma3TextConfig fields from a gemma3 GGUF (see the module doc for the values it leaves out)."""
+def _gemma3_metadata(reader: GGUFReader, path: Path, hf: dict, integer, number) -> dict:
+    """Gemma3TextConfig fields from a gemma3 GGUF (see the module doc for the values it leaves out);
+    `integer` and `number` read a range-checked field (config_from_metadata's)."""
     arch = "gemma3"
     num_layers = hf["num_hidden_layers"]
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # per layer: true = sliding window
         if len(pattern) != num_layers:
             raise ModelLoadError(f"{path}: sliding_window_pattern names {len(pattern)} layers, the model has "
                                  f"{num_layers}")
         sliding = [bool(x) for x in pattern]
     else:  # every `pattern`-th layer global (llama.cpp's set_swa_pattern; 0: every layer sliding)
-        sliding = [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        pattern = integer("attention.sliding_window_pattern", 6)
+        sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(num_layers)]
     extra = {
         "model_type": "gemma3_text",
-        "sliding_window": int(need("attention.sliding_window")),
+        "sliding_window": integer("attention.sliding_window"),
         "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
-        "rope_local_base_freq": float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        "rope_local_base_freq": number("rope.freq_base_swa", 10000.0),
         "query_pre_attn_scalar": (hf["hidden_size"] // hf["num_attention_heads"] if num_layers == 62
                                   else hf["head_dim"]),
         "hidden_activation": "gelu_pytorch_tanh",
@@ -189,7 +267,7 @@ def _gemma3_metadata(reader: GGUFReader, path: Path, hf: dict, need) -> dict:
         "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping") or None,
     }
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        extra["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": number("rope.scaling.factor")}
     return extra
 
 
@@ -253,6 +331,18 @@ def _tensors(reader: GGUFReader, config: ModelConfig, path: Path, desc: str, del
         yield tensor, name, heads, offset
 
 
+@contextmanager
+def _tensor_errors(tensor: ReaderTensor, path: Path):
+    """Turn the ValueError of a tensor whose shape disagrees with the metadata into a load error that names
+    it: numpy's reshape when the heads do not divide the q/k rows, QTensor's when blocks do not tile a row."""
+    try:
+        yield
+    except (ValueError, IndexError) as e:
+        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} of shape {dims} ({tensor.tensor_type.name}) does not "
+                             f"fit the model its metadata describes: {e}") from e
+
+
 def _dense(tensor: ReaderTensor, path: Path, heads: int | None, offset: float = 0.0) -> torch.Tensor:
     """The tensor dequantized to float32 in HF layout (a writable copy, never a view of the file), plus
     `offset` (llama.cpp's +1 on Gemma's norms taken back)."""
@@ -277,7 +367,8 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     config = config_from_metadata(reader, path)
     weights: dict[str, torch.Tensor] = {}
     for tensor, name, heads, offset in _tensors(reader, config, path, f"converting {path.name}", 0.0):
-        weights[name] = _dense(tensor, path, heads, offset).to(dtype)
+        with _tensor_errors(tensor, path):
+            weights[name] = _dense(tensor, path, heads, offset).to(dtype)
     return config, weights
 
 
@@ -313,34 +404,38 @@ def read_gguf_native(path: Path, requant=None) -> tuple[ModelConfig, dict[str, A
     rows, which GGUF's blocks (along a row) allow. With `requant` (a GGMLQuantizationType) every matrix
     is dequantized and quantized again into that format instead, one at a time (see `requantize`).
     """
-    from specfleet.runtime import qtensor
-
     reader = open_gguf(path)
     config = config_from_metadata(reader, path)
     weights: dict[str, Any] = {}
-    dense_types = ("F32", "F16", "BF16")
     for tensor, name, heads, offset in _tensors(reader, config, path, f"loading {path.name}", 3.0):
-        kind = tensor.tensor_type
-        if len(tensor.shape) != 2 or offset or (kind.name in dense_types and kind not in qtensor.SUPPORTED_TYPES):
-            weights[name] = _dense(tensor, path, heads, offset)
-        elif requant is not None:
-            weights[name] = requantize(_dense(tensor, path, heads), requant)
-        elif kind in qtensor.SUPPORTED_TYPES:
-            cols, rows = (int(d) for d in tensor.shape.tolist())
-            w = qtensor.QTensor(tensor.data, kind, (rows, cols))
-            if kind in qtensor.K_TYPES:  # a re-ordered copy: the file's pages are not needed again
-                _drop_mapped_pages(reader, tensor)
-            if heads is not None:
-                w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))
-            weights[name] = w
-        else:
-            supported = ", ".join(sorted(t.name for t in qtensor.SUPPORTED_TYPES))
-            raise UnsupportedModelError(
-                f"{path}: tensor {tensor.name!r} is stored as {kind.name}, which specfleet cannot run as it is "
-                f"(its kernels take {supported}); load the file dequantized instead with quantization='none' "
-                "(CLI --quantization none), or requantize it with quantization='q8_0'"
-            )
+        with _tensor_errors(tensor, path):
+            weights[name] = _native(reader, tensor, path, heads, offset, requant)
     return config, weights
+
+
+def _native(reader: GGUFReader, tensor: ReaderTensor, path: Path, heads: int | None, offset: float, requant):
+    """One tensor as `read_gguf_native` keeps it: a QTensor, or dense float32 (see there)."""
+    from specfleet.runtime import qtensor
+
+    kind = tensor.tensor_type
+    if len(tensor.shape) != 2 or offset or (kind.name in _DENSE_TYPES and kind not in qtensor.SUPPORTED_TYPES):
+        return _dense(tensor, path, heads, offset)
+    if requant is not None:
+        return requantize(_dense(tensor, path, heads), requant)
+    if kind not in qtensor.SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in qtensor.SUPPORTED_TYPES))
+        raise UnsupportedModelError(
+            f"{path}: tensor {tensor.name!r} is stored as {kind.name}, which specfleet cannot run as it is "
+            f"(its kernels take {supported}); load the file dequantized instead with quantization='none' "
+            "(CLI --quantization none), or requantize it with quantization='q8_0'"
+        )
+    cols, rows = (int(d) for d in tensor.shape.tolist())
+    w = qtensor.QTensor(tensor.data, kind, (rows, cols))
+    if kind in qtensor.K_TYPES:  # a re-ordered copy: the file's pages are not needed again
+        _drop_mapped_pages(reader, tensor)
+    if heads is not None:
+        w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))
+    return w
 
 
 def _drop_mapped_pages(reader, tensor) -> None:

@@ -190,9 +190,9 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         )
     try:
         config = ModelConfig.from_json_file(config_path)
-    except UnsupportedModelError as e:
+    except ModelLoadError as e:  # UnsupportedModelError included: keep the class, name the file
         message = str(e) if str(config_path) in str(e) else f"{config_path}: {e}"
-        raise UnsupportedModelError(message) from e
+        raise type(e)(message) from e
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{config_path} is missing or has a bad field: {e!r}") from e
     weights = _read_safetensors(folder, dtype)

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specfleet.errors import UnsupportedModelError
+from specfleet.errors import ModelLoadError, UnsupportedModelError
 
 # HF `model_type` -> our architecture name. Qwen2 carries q/k/v biases and (for larger models) an
 # untied head; Llama/SmolLM2 has no biases and usually a tied head; Qwen3 adds RMSNorm on q and k.
@@ -17,6 +17,9 @@ from specfleet.errors import UnsupportedModelError
 SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma3_text": "gemma3"}
 # attention kinds of a layer (the values of HF's `layer_types`)
 SLIDING, FULL = "sliding_attention", "full_attention"
+# config.json's names of the fields whose names differ here, for error messages
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads"}
 # Gemma-3's defaults where a config leaves a field out (transformers' Gemma3TextConfig, llama.cpp's gemma3)
 _GEMMA3_DEFAULTS = {"global_theta": 1_000_000.0, "local_theta": 10_000.0, "sliding_window_pattern": 6,
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "head_dim": 256}
@@ -51,6 +54,12 @@ class ModelConfig:
     rope_scaling_factor: float = 1.0  # linear position scaling of the FULL layers' rotary (positions / factor)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"{_HF_NAMES.get(name, name)}={value!r} must be a positive integer (a corrupt "
+                                     "or hand-edited config)")
         if self.num_heads % self.num_kv_heads != 0:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -113,6 +122,8 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported {key} {rope!r}: only plain rotary embeddings are implemented")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        if not isinstance(num_heads, int) or num_heads < 1:  # before hidden // num_heads below
+            raise ModelLoadError(f"num_attention_heads={num_heads!r} must be a positive integer")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         arch = SUPPORTED_ARCHS[model_type]
@@ -126,7 +137,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),

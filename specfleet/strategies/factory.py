@@ -183,10 +183,10 @@ class _Builder:
         return DraftModelProposer(model, label, cfg, self.vocab, self.device)
 
     def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
-        key = (cfg.order, cfg.min_count, cfg.path)  # one set of tables per distinct setting, shared
+        key = (cfg.order, cfg.min_count, cfg.path, cfg.max_entries)  # one set of tables per setting, shared
         if key not in self.ngram_models:
-            self.ngram_models[key] = NgramModel.load(cfg.path, cfg.min_count) if cfg.path \
-                else NgramModel(cfg.order, cfg.min_count)
+            self.ngram_models[key] = NgramModel.load(cfg.path, cfg.min_count, cfg.max_entries) if cfg.path \
+                else NgramModel(cfg.order, cfg.min_count, cfg.max_entries)
         return self.ngram_models[key]
 
     def _staged(self, node: Node) -> Proposer:
@@ -194,8 +194,8 @@ class _Builder:
         if inner.kind != NodeKind.LEAF or inner.name in LOOKUP_NAMES or inner.name in ("ngram", *registered_names()):
             raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
                                       f"follow a model name, as in qwen-0.5b+ngram")
-        # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path)
-        table_keys = {"order", "min_count", "path"}
+        # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path, max_entries)
+        table_keys = {"order", "min_count", "path", "max_entries"}
         cfg = apply_options(self.spec.staged, {k: v for k, v in node.options.items() if k not in table_keys}, "+ngram")
         tables = apply_options(self.spec.ngram, {k: v for k, v in node.options.items() if k in table_keys}, "+ngram")
         tables.validate()

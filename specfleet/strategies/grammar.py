@@ -16,7 +16,7 @@ checkpoint path. A model whose tokenizer differs from the target's (`smollm2-135
 target) is detected at build time and drafts through text (drafting/cross_vocab.py); not with +ngram. Options set the fields of the matching config dataclass (DraftModelConfig for a
 model, PromptLookupConfig, NgramConfig, SuffixConfig (`global` sets use_global), VoteConfig, SelectorConfig,
 LengthConfig for +adaptive,
-StagedConfig for +ngram, which also takes the tables' order, min_count and path); k, width and nodes are short for the depth, the branching and the node
+StagedConfig for +ngram, which also takes the tables' order, min_count, path and max_entries); k, width and nodes are short for the depth, the branching and the node
 budget of a draft. Unknown keys are an error that lists the valid ones.
 
 Examples:

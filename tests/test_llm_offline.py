@@ -1,0 +1,94 @@
+"""The offline API (specfleet/llm.py) on a tiny model: a rejected batch queues nothing, an abandoned
+stream aborts its request, and neither leaks work into the next call."""
+from __future__ import annotations
+
+import pytest
+
+from specfleet.errors import InvalidRequestError
+from specfleet.llm import LLM
+from specfleet.sampling_params import SamplingParams
+from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def mutated(**fields) -> SamplingParams:
+    """Params made bad after construction (which validates), as a caller's reused object can be."""
+    p = SamplingParams(temperature=0, max_tokens=6)
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return p
+
+
+class LetterTokenizer:
+    """Token t is one letter: enough text for a stream to yield every token."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", "prompt-lookup", dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
+               _model=ours_from_hf(tiny_hf_model("llama")), _tokenizer=LetterTokenizer())
+
+
+@pytest.mark.parametrize("bad", [
+    {"prompt": []},  # empty
+    {"prompt": [5, 300]},  # outside the 97-token vocabulary
+    {"prompt": [5, "x"]},  # not token ids
+    {"params": mutated(temperature=-1.0)},
+    {"params": mutated(max_tokens=0)},
+    {"params": {"temperature": 0}},  # not a SamplingParams
+])
+def test_bad_kth_prompt_queues_none_of_the_batch(llm, bad):
+    prompts = random_prompts([5, 7, 6])
+    params = [GREEDY] * 3
+    prompts[2] = bad.get("prompt", prompts[2])
+    params[2] = bad.get("params", GREEDY)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.requests == {}
+    good = random_prompts([4], seed=9)
+    out = llm.generate(good, GREEDY)
+    assert len(out) == 1 and out[0].prompt_token_ids == good[0]
+
+
+def test_generate_interrupted_mid_run_leaves_nothing_queued(llm, monkeypatch):
+    real_step, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts([5, 7]), GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished()
+
+
+def test_closed_or_dropped_stream_aborts_its_request(llm):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    stream = llm.stream(random_prompts([6])[0], params)
+    next(stream)
+    assert llm.engine.has_unfinished()
+    stream.close()
+    assert not llm.engine.has_unfinished()
+
+    stream = llm.stream(random_prompts([6])[0], params)
+    next(stream)
+    del stream  # abandoned: collected at once, which closes it
+    assert not llm.engine.has_unfinished()
+
+
+def test_stream_to_the_end_equals_generate(llm):
+    prompt = random_prompts([6], seed=3)[0]
+    chunks = list(llm.stream(prompt, GREEDY))
+    want = llm.generate([prompt], GREEDY)[0]
+    assert chunks[-1][1].finished and chunks[-1][1].token_ids == want.token_ids
