@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health and /metrics.
 
-A request goes: size-limited body -> JSON + strict schema -> model and unsupported-field checks ->
+A request goes: size-limited body -> JSON + strict schema -> model check -> field policy (unknown
+fields counted, near misses and unsupported values refused; server/schemas.py) ->
 tokenize (on one tokenizer thread, so a megabyte prompt never stalls the event loop) -> context
 checks -> admission (429 when the queue is full) -> stream or collect outputs. Every failure before
 the response starts is an OpenAI error body with a 4xx/5xx status; a failure after a stream started
@@ -78,7 +79,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
 
-    async def parse(request: Request, schema: type[M]) -> M:
+    async def parse(request: Request, schema: type[M], endpoint: str) -> M:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise APIError(415, f"the body must be JSON sent with Content-Type: application/json, "
@@ -92,6 +93,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if req.model is not None and req.model != config.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
+        for field in req.check_fields():
+            metrics.observe_unknown_field(endpoint, field)
         req.check_supported()
         return req
 
@@ -120,7 +123,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         async def handle() -> Response:
-            req = await parse(request, CompletionRequest)
+            req = await parse(request, CompletionRequest, "completions")
             prompt = req.single_prompt()
             ids = await tokenize(lambda: llm.encode(prompt))
             p, stream = start(ids, req, req.max_tokens, "cmpl")
@@ -135,7 +138,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async def handle() -> Response:
-            req = await parse(request, ChatCompletionRequest)
+            req = await parse(request, ChatCompletionRequest, "chat")
             messages = req.template_messages()
             ids = await tokenize(lambda: llm.apply_chat_template(messages))
             p, stream = start(ids, req, req.requested_max_tokens(), "chatcmpl")

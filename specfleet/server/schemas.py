@@ -1,18 +1,23 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
-Policy on fields (chosen so that a typo never silently changes a request):
+Policy on fields (chosen so that a typo never silently changes a request, while the clients people
+already use, which send fields of newer API versions, keep working; docs/compatibility.md has the table):
 - types are strict: `"0.5"` is not a temperature and `true` is not a max_tokens;
-- fields that OpenAI does not define are rejected (`extra="forbid"`), so `max_token` or `temprature`
-  get a 400 that names the field instead of being ignored;
-- OpenAI fields we do not implement (penalties, logprobs, logit_bias, echo, suffix, best_of, ...)
-  are accepted only at their no-op value; anything else gets a 400 saying it is unsupported;
+- a field this server does not know is accepted and ignored (the app logs its name once and counts
+  it in /metrics), unless its name is a near miss of a known field (`max_token`, `temprature`,
+  `maxTokens`): that is a 400 naming the field it probably meant;
+- fields OpenAI or vLLM define that we do not implement (tools, response_format, penalties,
+  logprobs, n>1, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
+  unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
 - `top_k` and `ignore_eos` are extensions, as in vLLM.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import difflib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -22,19 +27,118 @@ MAX_STOP_STRINGS = 4  # as in OpenAI
 
 
 class UnsupportedError(InvalidRequestError):
-    """A known OpenAI field was given a value this server does not implement."""
+    """A known OpenAI field was given a value this server does not implement (or a near-miss name)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A field other servers define that this one does not implement: accepted only when its value
+    is null or one of `noop` (what the field's absence means); else a 400 that says `why`.
+    `noop=None` means every value is a no-op here (metadata that cannot change the output)."""
+
+    why: str
+    noop: tuple[Any, ...] | None = ()
+
+    def allows(self, value: Any) -> bool:
+        return value is None or self.noop is None or any(value == v and type(value) is type(v) for v in self.noop)
+
+
+def _ignored(why: str) -> Unsupported:
+    return Unsupported(why, None)
+
+
+_NO_TOOLS = "tool calling is not supported by this server"
+# fields of the OpenAI API (and of vLLM's extensions to it) that we know and do not implement,
+# shared by both endpoints; each model adds its own in `_unsupported`
+_SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
+    "response_format": Unsupported("structured output (json_object, json_schema) is not supported; "
+                                   "leave it unset or {\"type\": \"text\"}", ({"type": "text"},)),
+    "min_p": Unsupported("min_p is not supported; leave it at 0", (0, 0.0)),
+    "repetition_penalty": Unsupported("repetition_penalty is not supported; leave it at 1", (1, 1.0)),
+    "min_tokens": Unsupported("min_tokens is not supported; leave it at 0", (0,)),
+    "use_beam_search": Unsupported("beam search is not supported", (False,)),
+    "length_penalty": Unsupported("length_penalty (beam search) is not supported", (1, 1.0)),
+    "include_stop_str_in_output": Unsupported("the stop string is always cut from the output", (False,)),
+    "skip_special_tokens": Unsupported("special tokens are always skipped in the output", (True,)),
+    "spaces_between_special_tokens": Unsupported("special tokens are always skipped in the output", (True,)),
+    "prompt_logprobs": Unsupported("prompt_logprobs are not supported"),
+    **{name: Unsupported(f"{name} (guided decoding) is not supported")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                    "structured_outputs")},
+    # cannot change what is generated here: accepted whatever their value
+    "metadata": _ignored("stored completions are not kept"),
+    "store": _ignored("stored completions are not kept"),
+    "service_tier": _ignored("there is one tier"),
+    "prompt_cache_key": _ignored("the prefix cache needs no key"),
+    "safety_identifier": _ignored("only tags requests at OpenAI"),
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # extra="allow": unknown fields are kept so that `check_fields` can tell a typo from a field of a
+    # newer client (see the module docstring)
+    model_config = ConfigDict(extra="allow", strict=True)
+    _unsupported: ClassVar[dict[str, Unsupported]] = {}
+
+    @classmethod
+    def known_fields(cls) -> set[str]:
+        return set(cls.model_fields) | set(cls._unsupported)
+
+    def check_fields(self, where: str = "") -> list[str]:
+        """Apply the field policy to this object and the objects inside it; return the unknown fields
+        (dotted names without list indexes, e.g. `messages.foo`) and raise on a near miss or an
+        unsupported value."""
+        unknown = []
+        for name, value in (self.model_extra or {}).items():
+            path = f"{where}{name}"
+            if name in self._unsupported:
+                if not self._unsupported[name].allows(value):
+                    raise UnsupportedError(path, f"unsupported field '{path}': {self._unsupported[name].why}")
+            elif (meant := near_miss(name, self.known_fields())) is not None:
+                raise UnsupportedError(path, f"unknown field '{path}': did you mean '{where}{meant}'?")
+            else:
+                unknown.append(path)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, _Strict):
+                    unknown += item.check_fields(f"{where}{name}.")
+        return unknown
+
+
+def near_miss(name: str, known: set[str]) -> str | None:
+    """The known field `name` is probably a misspelling of, if any: the same letters in another case
+    or without underscores (`maxTokens`), two neighbours swapped (`ecoh`), or close by difflib's
+    measure (`max_token`, `temprature`). The cutoff keeps unrelated short names apart (`top_a` is
+    not `top_p`)."""
+    def norm(s: str) -> str:
+        return s.lower().replace("_", "").replace("-", "")
+
+    by_norm = {norm(k): k for k in known}
+    n = norm(name)
+    if n in by_norm:
+        return by_norm[n]
+    swapped = next((k for k in by_norm if _one_swap_apart(n, k)), None)
+    if swapped is not None:
+        return by_norm[swapped]
+    close = difflib.get_close_matches(n, list(by_norm), n=1, cutoff=0.85)
+    return by_norm[close[0]] if close else None
+
+
+def _one_swap_apart(a: str, b: str) -> bool:
+    """Whether `a` is `b` with two adjacent characters swapped (difflib scores these low)."""
+    diff = [i for i in range(len(a)) if a[i] != b[i]] if len(a) == len(b) else []
+    return len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    _unsupported = {"continuous_usage_stats": Unsupported("usage is sent once, at the end of the stream",
+                                                          (False,))}
 
 
 class _SamplingFields(_Strict):
@@ -54,6 +158,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    _unsupported = _SAMPLING_UNSUPPORTED
 
     @field_validator("*", mode="before")
     @classmethod
@@ -91,6 +196,9 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    _unsupported = {**_SAMPLING_UNSUPPORTED,
+                    "add_special_tokens": Unsupported("a text prompt always gets the model's special tokens "
+                                                      "(BOS); send token ids for full control", (True,))}
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -126,6 +234,11 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    _unsupported = {"tool_calls": Unsupported(_NO_TOOLS, ([],)),
+                    "tool_call_id": Unsupported(_NO_TOOLS),
+                    "function_call": Unsupported(_NO_TOOLS),
+                    "refusal": Unsupported("an assistant message's refusal cannot be replayed; leave it null"),
+                    "audio": Unsupported("audio is not supported")}
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -138,6 +251,27 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    _unsupported = {
+        **_SAMPLING_UNSUPPORTED,
+        "tools": Unsupported(_NO_TOOLS, ([],)),
+        "tool_choice": Unsupported(_NO_TOOLS, ("none", "auto")),  # without tools, both mean "no tool"
+        "parallel_tool_calls": _ignored("no tools, so no tool calls"),
+        "functions": Unsupported(_NO_TOOLS, ([],)),
+        "function_call": Unsupported(_NO_TOOLS, ("none", "auto")),
+        "audio": Unsupported("audio output is not supported"),
+        "modalities": Unsupported("only text output is supported", (["text"],)),
+        "prediction": Unsupported("predicted outputs are not supported (speculation needs no hint)"),
+        "web_search_options": Unsupported("web search is not supported"),
+        "reasoning_effort": Unsupported("reasoning_effort is not supported"),
+        "verbosity": Unsupported("verbosity is not supported"),
+        "chat_template": Unsupported("per-request chat templates are not supported; start the server with "
+                                     "--chat-template FILE"),
+        "add_generation_prompt": Unsupported("the assistant's turn is always opened", (True,)),
+        "continue_final_message": Unsupported("continuing the final message is not supported", (False,)),
+        "echo": Unsupported("echo is not supported", (False,)),
+        "add_special_tokens": Unsupported("the chat template places the special tokens", (False,)),
+        "documents": Unsupported("documents (RAG templates) are not supported"),
+    }
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -179,9 +313,6 @@ def describe_validation_error(err: ValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", None
     loc = [p for p in first["loc"] if _is_field_name(p)]
     param = ".".join(str(p) for p in loc) or None
-    if kind == "extra_forbidden":
-        return (f"unknown field '{param}': this server does not support it (check the spelling, "
-                f"or remove it)", param)
     if kind == "missing":
         return f"missing required field '{param}'", param
     if kind in ("model_type", "model_attributes_type", "dict_type") and not loc:
