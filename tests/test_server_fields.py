@@ -9,7 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from specfleet.llm import LLM
+from specfleet.server import serving
 from specfleet.server.app import ServerConfig, create_app
+from specfleet.server.errors import APIError
 from specfleet.server.metrics import MAX_UNKNOWN_FIELD_LABELS, OTHER_FIELD
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedError
 from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
@@ -108,3 +110,36 @@ def test_policy_covers_completions_too():
     with pytest.raises(UnsupportedError, match="did you mean 'echo'"):
         CompletionRequest.model_validate({**OK, "ecoh": True}).check_fields()
     assert CompletionRequest.model_validate({**OK, "top_a": 0.1}).check_fields() == ["top_a"]
+
+
+def test_many_stop_strings_are_allowed_and_their_total_length_is_bounded(client):
+    r = client.post("/v1/completions", json={**OK, "stop": [f"stop{i}" for i in range(40)]})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={**OK, "stop": ["y" * 2000, "z" * 2097]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert "total 4097 characters" in r.json()["error"]["message"]
+
+
+class _AddedToken:
+    def __init__(self, content: str, special: bool):
+        self.content, self.special = content, special
+
+
+class _FakeTokenizer:
+    added_tokens_decoder = {2: _AddedToken("<|im_end|>", True), 7: _AddedToken("<tool>", False)}
+    all_special_tokens = ["<|im_end|>", "<s>"]
+
+    def convert_tokens_to_ids(self, text: str) -> int:
+        return {"<|im_end|>": 2, "<s>": 1}[text]
+
+
+def test_special_token_stops_become_stop_token_ids():
+    specials = serving.special_tokens(_FakeTokenizer())
+    assert specials == {"<|im_end|>": 2, "<s>": 1}  # "<tool>" is not special: decoding keeps it as text
+    req = CompletionRequest.model_validate({**OK, "stop": ["<|im_end|>", "\n\n", "<tool>"], "stop_token_ids": [9]})
+    params = serving.sampling_params(req, 4, 6, 64, specials)
+    assert params.stop == ["\n\n", "<tool>"] and sorted(params.stop_token_ids) == [2, 9]
+    req = CompletionRequest.model_validate({**OK, "stop": "end<|im_end|>"})
+    with pytest.raises(APIError, match="of its own") as caught:
+        serving.sampling_params(req, 4, 6, 64, specials)
+    assert caught.value.param == "stop"

@@ -56,6 +56,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
+    specials = serving.special_tokens(llm.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +117,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     def start(prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               kind: str) -> tuple[serving.Prepared, RequestStream]:
         serving.check_prompt(prompt_ids, vocab, max_len)
-        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len)
+        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len, specials)
         prepared = serving.Prepared(serving.new_request_id(kind), prompt_ids, params, serving.now())
         return prepared, engine.generate(prompt_ids, params, prepared.request_id)
 

@@ -11,7 +11,7 @@ already use, which send fields of newer API versions, keep working; docs/compati
   unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
-- `top_k` and `ignore_eos` are extensions, as in vLLM.
+- `top_k`, `ignore_eos` and `stop_token_ids` are extensions, as in vLLM.
 """
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from specfleet.errors import InvalidRequestError
 
-MAX_STOP_STRINGS = 4  # as in OpenAI
+# Stop strings are bounded by their total length, not their number (OpenAI allows 4): the engine
+# scans each new token's text for every stop string and the stream holds back prefixes of them, so
+# the cost grows with the characters, and a client with many short stops (code models) is served.
+MAX_STOP_CHARS = 4096
 
 
 class UnsupportedError(InvalidRequestError):
@@ -149,6 +152,7 @@ class _SamplingFields(_Strict):
     top_k: int = 0  # extension; 0 or -1 = disabled
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension, as in vLLM
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -182,9 +186,10 @@ class _SamplingFields(_Strict):
             raise UnsupportedError(param, f"{param} is not supported; leave it at 0")
         if self.logit_bias:
             raise UnsupportedError("logit_bias", "logit_bias is not supported; leave it empty")
-        if len(self.stop_list()) > MAX_STOP_STRINGS:
-            raise UnsupportedError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
-                                           f"got {len(self.stop_list())}")
+        stop_chars = sum(len(s) for s in self.stop_list())
+        if stop_chars > MAX_STOP_CHARS:
+            raise UnsupportedError("stop", f"the stop strings total {stop_chars} characters; at most "
+                                           f"{MAX_STOP_CHARS} are allowed")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedError("stream_options", "stream_options is only allowed with stream=true")
 

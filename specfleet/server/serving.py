@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
@@ -42,8 +42,40 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Text -> id of the tokens that decoding drops (skip_special_tokens=True): the engine matches stop
+    strings against the decoded text, so these can only stop a request as token ids."""
+    if tokenizer is None:
+        return {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {tok.content: i for i, tok in decoder.items() if getattr(tok, "special", False)}
+    for text in getattr(tokenizer, "all_special_tokens", []):
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id >= 0:
+            found.setdefault(text, token_id)
+    return found
+
+
+def split_stops(stops: list[str], specials: Mapping[str, int]) -> tuple[list[str], list[int]]:
+    """(stop strings, stop token ids): a stop string that is a special token (`<|im_end|>`) becomes its
+    token id, since it never appears in the decoded text; one that merely contains a special token
+    could never match, so it is a 400 rather than a stop that silently never fires."""
+    strings, ids = [], []
+    for s in stops:
+        if s in specials:
+            ids.append(specials[s])
+            continue
+        inside = next((t for t in specials if t in s), None)
+        if inside is not None:
+            raise APIError(400, f"the stop string {s!r} contains the special token {inside!r}, which never appears "
+                                f"in the generated text; give {inside!r} as a stop string of its own", param="stop")
+        strings.append(s)
+    return strings, ids
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+                    num_prompt_tokens: int, max_model_len: int,
+                    specials: Mapping[str, int] | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; max_tokens defaults to the rest of the context."""
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
@@ -54,8 +86,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
                             f"lower max_tokens or shorten the prompt", param="max_tokens",
                        code="context_length_exceeded")
     # SamplingParams validates ranges itself and raises InvalidRequestError (-> 400)
+    stop, special_ids = split_stops(req.stop_list(), specials or {})
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                          max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos)
+                          max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
+                          ignore_eos=req.ignore_eos)
 
 
 class DeltaText:
@@ -79,9 +113,10 @@ class DeltaText:
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         best = 0
+        last = text[-1:]
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
+                if s[k - 1] == last and text.endswith(s[:k]):  # the first test spares most slices
                     best = k
                     break
         return best
