@@ -1,5 +1,5 @@
 """The real server in a subprocess, driven by the official `openai` client: explicit nulls in optional
-fields, GET /v1/models/{id}, HEAD /health, and a shutdown that times out with requests still running
+fields, GET /v1/models/{id}, HEAD /health, --api-key, and a shutdown that times out with requests still running
 (each gets a complete 503 answer; the server logs no traceback and exits 0). One in-process test on a
 tiny random model covers a request that arrives once shutdown has begun."""
 from __future__ import annotations
@@ -24,16 +24,28 @@ PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name two fruits."}]
 
 
+API_KEY = "sk-specfleet-test"  # the module's server requires it: the official client sends it as a bearer key
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED)
+    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED, "--api-key", API_KEY)
     yield srv
     stop_server(srv)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.real_model
+def test_wrong_api_key_is_an_authentication_error(server):
+    wrong = openai.OpenAI(base_url=server.url("/v1"), api_key="sk-wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.models.list()
+    assert caught.value.code == "invalid_api_key"
+    assert httpx.get(server.url("/metrics"), timeout=10).status_code == 401
 
 
 # (endpoint, what the request sets to null, what it needs beside the null to stay short)

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -28,6 +29,7 @@ from specfleet.engine.async_engine import AsyncEngine, RequestStream
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
 from specfleet.server import serving
+from specfleet.server.auth import ApiKeyMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
@@ -44,6 +46,8 @@ class ServerConfig:
     max_queue: int = 256
     max_body_bytes: int = 2 << 20
     shutdown_timeout_s: float = 30.0
+    api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none: no CORS headers
 
 
 class ClientGone(Exception):
@@ -71,7 +75,14 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app.state.max_body_bytes = config.max_body_bytes
     app.state.engine = engine
     app.state.drain = drain  # `specfleet serve` starts it when uvicorn begins its shutdown
+    # the last added runs first: CORS answers preflights (which carry no credentials) and labels every
+    # response, even a 401; then the key is checked before the body is read; then the body's size
     app.add_middleware(MaxBodySizeMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     install_error_handlers(app)
 
     async def tokenize(fn: Callable[[], list[int]]) -> list[int]:
