@@ -59,3 +59,13 @@ def test_engine_failure_mid_stream_is_reported_and_final(llm):
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
         metrics = client.get("/metrics").text
         assert "specfleet_engine_healthy 0.0" in metrics
+
+
+def test_tokenize_routes_need_a_tokenizer(llm):
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        r = client.post("/tokenize", json={"prompt": "text"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        r = client.post("/detokenize", json={"tokens": PROMPT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]

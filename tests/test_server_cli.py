@@ -28,3 +28,18 @@ def test_allowed_origins_comma_separated_or_repeated():
     got = config("--allowed-origins", "https://a.example, https://b.example", "--allowed-origins", "http://c:3000")
     assert got.allowed_origins == ("https://a.example", "https://b.example", "http://c:3000")
     assert config("--allowed-origins", "*").allowed_origins == ("*",)
+
+
+def test_chat_template_file_is_read_and_checked(tmp_path):
+    from specfleet.errors import SpecfleetError
+
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert config("--chat-template", str(good)).chat_template == good.read_text()
+    assert config().chat_template is None
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(SpecfleetError, match="not a valid Jinja template"):
+        config("--chat-template", str(broken))
+    with pytest.raises(SpecfleetError, match="cannot read --chat-template"):
+        config("--chat-template", str(tmp_path / "missing.jinja"))

@@ -25,8 +25,8 @@ def llm() -> LLM:
     return LLM(MODEL, None, dtype="float32", max_model_len=384, kv_cache_bytes=24 << 20)
 
 
-@pytest.fixture(scope="module")
-def client(llm):
+@pytest.fixture()
+def client(llm):  # one app at a time on the shared engine: some tests build their own
     with TestClient(create_app(llm, ServerConfig(MODEL))) as c:
         yield c
 
@@ -55,3 +55,66 @@ def test_special_token_stop_in_a_stream(client):
              if ln.startswith("data: ") and ln != "data: [DONE]"]
     finals = [json.loads(ln)["choices"][0]["finish_reason"] for ln in lines]
     assert finals[-1] == "stop"
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------
+def test_tokenize_a_prompt_and_back(client, llm):
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "The sky is blue."})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == llm.encode("The sky is blue.") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 384 and "token_strs" not in got
+    assert client.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "The sky is blue."}
+    strs = client.post("/tokenize", json={"prompt": "The sky", "return_token_strs": True}).json()["token_strs"]
+    assert "".join(strs).replace("\u0120", " ") == "The sky"  # byte-level BPE shows a space as \u0120
+
+
+def test_tokenize_messages_gives_the_chat_prompt(client, llm):
+    got = client.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert got["tokens"] == llm.apply_chat_template(MESSAGES)
+    assert chat(client, max_tokens=1)["usage"]["prompt_tokens"] == got["count"]
+    text = client.post("/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")  # special tokens kept
+    bare = client.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert got["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < got["count"]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+])
+def test_tokenize_errors(client, path, body, status, param):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+# -- chat templates ---------------------------------------------------------------------------------
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{{ speaker | default('assistant') }}:{% endif %}")
+
+
+def test_chat_template_override_and_kwargs(llm):
+    with TestClient(create_app(llm, ServerConfig(MODEL, chat_template=TEMPLATE))) as templated:
+        def prompt(**fields) -> str:
+            ids = templated.post("/tokenize", json={"messages": MESSAGES, **fields}).json()["tokens"]
+            return templated.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+        assert prompt() == "user: Hi!\nassistant:"
+        assert prompt(chat_template_kwargs={"speaker": "bot"}) == "user: Hi!\nbot:"
+        got = templated.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                           "chat_template_kwargs": {"speaker": "bot"}}).json()
+        want = templated.post("/tokenize", json={"messages": MESSAGES,
+                                                 "chat_template_kwargs": {"speaker": "bot"}}).json()["count"]
+        assert got["usage"]["prompt_tokens"] == want
+
+
+def test_chat_template_kwargs_reach_the_models_own_template(client, llm):
+    # SmolLM2's template reads no variables: a kwarg changes nothing, and the prompt is the offline one
+    got = client.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+    assert got.json()["tokens"] == llm.apply_chat_template(MESSAGES)

@@ -43,6 +43,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
                    help="browser origins allowed by CORS, comma-separated or repeated (e.g. "
                         "https://app.example.com; * for any); default: no CORS headers")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's own (for models without one, or to fix one)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
@@ -72,11 +74,13 @@ def _bind(host: str, port: int) -> socket.socket:
 def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
     """The app's settings from the command line; the API key falls back to the environment."""
     from specfleet.server.app import ServerConfig
+    from specfleet.server.chat import read_chat_template
 
     origins = tuple(o.strip() for arg in args.allowed_origins or [] for o in arg.split(",") if o.strip())
     return ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
                         args.shutdown_timeout, api_key=args.api_key or environ.get(API_KEY_ENV) or None,
-                        allowed_origins=origins)
+                        allowed_origins=origins,
+                        chat_template=read_chat_template(args.chat_template) if args.chat_template else None)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health and /metrics.
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health, /metrics and vLLM's
+/tokenize and /detokenize.
 
 A request goes: size-limited body -> JSON + strict schema -> model check -> field policy (unknown
 fields counted, near misses and unsupported values refused; server/schemas.py) ->
@@ -33,11 +34,13 @@ from specfleet.server.auth import ApiKeyMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
-from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from specfleet.server.chat import ChatRenderer
+from specfleet.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                      TokenizeRequest, describe_validation_error)
 from specfleet.server.shutdown import Drain
 
 T = TypeVar("T")
-M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
+M = TypeVar("M", CompletionRequest, ChatCompletionRequest, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none: no CORS headers
+    chat_template: str | None = None  # a Jinja chat template replacing the model's own (--chat-template)
 
 
 class ClientGone(Exception):
@@ -61,6 +65,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
     specials = serving.special_tokens(llm.tokenizer)
+    chat = ChatRenderer(llm, config.chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -91,12 +96,16 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
 
-    async def parse(request: Request, schema: type[M], endpoint: str) -> M:
+    async def read_json(request: Request) -> bytes:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise APIError(415, f"the body must be JSON sent with Content-Type: application/json, "
                                 f"got {ctype or 'no content type'!r}", code="unsupported_media_type")
-        body = await request.body()
+        return await request.body()
+
+    async def parse(request: Request, schema: type[M], endpoint: str, body: bytes | None = None) -> M:
+        if body is None:
+            body = await read_json(request)
         try:
             req = schema.model_validate_json(body)
         except ValidationError as e:
@@ -151,8 +160,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         async def handle() -> Response:
             req = await parse(request, ChatCompletionRequest, "chat")
-            messages = req.template_messages()
-            ids = await tokenize(lambda: llm.apply_chat_template(messages))
+            messages, kwargs = req.template_messages(), req.chat_template_kwargs
+            ids = await tokenize(lambda: chat.render(messages, kwargs))
             p, stream = start(ids, req, req.requested_max_tokens(), "chatcmpl")
             if req.stream:
                 end = _StreamEnd()
@@ -161,6 +170,47 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             metrics.observe_finished("chat", out)
             return JSONResponse(serving.chat_body(p, config.model_name, out))
         return await serve("chat", request, handle)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's /tokenize: the token ids of a prompt, or of the prompt a chat request would get."""
+        async def handle() -> Response:
+            body = await read_json(request)
+            if _has_key(body, "messages"):
+                chat_req = await parse(request, TokenizeChatRequest, "tokenize", body)
+                messages, kwargs = chat_req.template_messages(), chat_req.chat_template_kwargs
+                ids = await tokenize(lambda: chat.render(messages, kwargs, chat_req.add_generation_prompt))
+                want_strs = chat_req.return_token_strs
+            else:
+                req = await parse(request, TokenizeRequest, "tokenize", body)
+                ids = await tokenize(lambda: encode(req.prompt, req.add_special_tokens))
+                want_strs = req.return_token_strs
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+            if want_strs:
+                out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+            return JSONResponse(out)
+        return await serve("tokenize", request, handle)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids, special tokens included (what the model sees)."""
+        async def handle() -> Response:
+            req = await parse(request, DetokenizeRequest, "detokenize")
+            if llm.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer, so token ids cannot become text", param="tokens")
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            tokens = req.tokens
+            text = await drain.race(asyncio.get_running_loop().run_in_executor(
+                tokenizer_pool, lambda: llm.tokenizer.decode(tokens)))
+            return JSONResponse({"prompt": text})
+        return await serve("detokenize", request, handle)
+
+    def encode(prompt: str, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens or llm.tokenizer is None:
+            return llm.encode(prompt)  # the prompt /v1/completions would get (or its "no tokenizer" error)
+        return llm.tokenizer.encode(prompt, add_special_tokens=False)
 
     def closing(stream: RequestStream, endpoint: str, end: _StreamEnd) -> Callable[[], Awaitable[None]]:
         async def close() -> None:  # when a streamed response ends, however it ends
@@ -233,6 +283,15 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the JSON object in `body` has `key`; anything unparsable is left to the schema's error."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and key in obj
 
 
 def data(body: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ already use, which send fields of newer API versions, keep working; docs/compati
   unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
-- `top_k`, `ignore_eos` and `stop_token_ids` are extensions, as in vLLM.
+- `top_k`, `ignore_eos`, `stop_token_ids` and `chat_template_kwargs` are extensions, as in vLLM.
 """
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ class _Strict(BaseModel):
     # newer client (see the module docstring)
     model_config = ConfigDict(extra="allow", strict=True)
     _unsupported: ClassVar[dict[str, Unsupported]] = {}
+
+    def check_supported(self) -> None:
+        """Refuse values of known fields that this server does not implement (a 400 naming the field)."""
 
     @classmethod
     def known_fields(cls) -> set[str]:
@@ -256,6 +259,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension: variables for the chat template
     _unsupported = {
         **_SAMPLING_UNSUPPORTED,
         "tools": Unsupported(_NO_TOOLS, ([],)),
@@ -289,9 +293,45 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        # chat templates know "system", not OpenAI's newer "developer" role for the same thing
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    # chat templates know "system", not OpenAI's newer "developer" role for the same thing
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with messages: the prompt a chat request with them would get (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    _unsupported = {"add_special_tokens": ChatCompletionRequest._unsupported["add_special_tokens"],
+                    "continue_final_message": ChatCompletionRequest._unsupported["continue_final_message"],
+                    "chat_template": ChatCompletionRequest._unsupported["chat_template"],
+                    "tools": ChatCompletionRequest._unsupported["tools"]}
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages)
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- turning pydantic's errors into one clear sentence --------------------------------------------

@@ -1,0 +1,64 @@
+"""Chat messages -> prompt token ids, with the server's template (--chat-template) and a request's
+`chat_template_kwargs` (variables such as `enable_thinking` that some templates read).
+
+Without either, this is exactly LLM.apply_chat_template, so a plain chat request gets the same prompt
+as the offline API. With them it renders the same way (the tokenizer's own sandboxed Jinja, the
+assistant's turn opened, no extra special tokens when encoding) with the override and the variables.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Mapping
+
+import jinja2
+
+from specfleet.errors import InvalidRequestError, SpecfleetError
+from specfleet.server.schemas import UnsupportedError
+
+if TYPE_CHECKING:
+    from specfleet.llm import LLM
+
+
+def read_chat_template(path: str) -> str:
+    """The template in `path`, checked for Jinja syntax so that a broken file fails at startup."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SpecfleetError(f"cannot read --chat-template {path}: {e.strerror}") from e
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise SpecfleetError(f"--chat-template {path} is not a valid Jinja template: line {e.lineno}: "
+                             f"{e.message}") from e
+    return text
+
+
+class ChatRenderer:
+    def __init__(self, llm: LLM, template: str | None = None):
+        self.llm, self.template = llm, template
+        tokenizer = llm.tokenizer
+        params = inspect.signature(tokenizer.apply_chat_template).parameters if tokenizer is not None else {}
+        # names the tokenizer's apply_chat_template takes itself (or hands the template as `messages`):
+        # a template variable of that name would collide with them instead of reaching the template
+        self.reserved = {name for name, p in params.items() if p.kind is not p.VAR_KEYWORD} | {"messages"}
+
+    def render(self, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+        if self.template is None and not template_kwargs and add_generation_prompt:
+            return self.llm.apply_chat_template(messages)
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use /v1/completions with "
+                                      "token ids")
+        template = self.template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise InvalidRequestError("this model has no chat template; start the server with --chat-template "
+                                      "FILE or use /v1/completions with a plain prompt")
+        clash = sorted(set(template_kwargs or {}) & self.reserved)
+        if clash:
+            raise UnsupportedError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)}: "
+                                                           f"the server sets these itself")
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=False)
