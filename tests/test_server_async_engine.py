@@ -223,7 +223,7 @@ def test_chat_schema_accepts_text_parts_and_developer_role():
     req = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "}, '
         '{"type": "text", "text": "brief."}]}, {"role": "user", "content": "Hi"}], "max_completion_tokens": 3}')
-    assert req.template_messages()[0] == {"role": "system", "content": "Be brief."}
+    assert req.template_messages()[0] == {"role": "system", "content": "Be \nbrief."}  # parts join with "\n", as in vLLM
     assert req.requested_max_tokens() == 3
 
 

@@ -118,3 +118,24 @@ def test_chat_template_kwargs_reach_the_models_own_template(client, llm):
     # SmolLM2's template reads no variables: a kwarg changes nothing, and the prompt is the offline one
     got = client.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
     assert got.json()["tokens"] == llm.apply_chat_template(MESSAGES)
+
+
+def test_text_parts_are_joined_by_newlines(client, llm):
+    parts = [{"type": "text", "text": "Hi!"}, {"type": "text", "text": "Who are you?"}]
+    got = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    assert got["tokens"] == llm.apply_chat_template([{"role": "user", "content": "Hi!\nWho are you?"}])
+
+
+def test_chat_stream_sends_usage_once_when_asked(client):
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 3, "ignore_eos": True, "stream": True}
+    for include_usage in (False, True):
+        options = {"stream_options": {"include_usage": True}} if include_usage else {}
+        lines = client.post("/v1/chat/completions", json={**body, **options}).text.splitlines()
+        got = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert [ln for ln in lines if ln][-1] == "data: [DONE]"
+        usages = [e["usage"] for e in got if e.get("usage") is not None]
+        if include_usage:
+            assert len(usages) == 1 and got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 3
+            assert all("usage" in e for e in got)
+        else:
+            assert usages == [] and got[-1]["choices"][0]["finish_reason"] == "length"

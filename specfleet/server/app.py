@@ -35,8 +35,9 @@ from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddlewa
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
 from specfleet.server.chat import ChatRenderer
-from specfleet.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                                      TokenizeRequest, describe_validation_error)
+from specfleet.server.schemas import (DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
+                                      describe_validation_error)
 from specfleet.server.shutdown import Drain
 
 T = TypeVar("T")
@@ -135,9 +136,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return err.response()
 
     def start(prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-              kind: str) -> tuple[serving.Prepared, RequestStream]:
+              kind: str, default_max_tokens: int | None = None) -> tuple[serving.Prepared, RequestStream]:
         serving.check_prompt(prompt_ids, vocab, max_len)
-        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len, specials)
+        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len, specials, default_max_tokens)
         prepared = serving.Prepared(serving.new_request_id(kind), prompt_ids, params, serving.now())
         return prepared, engine.generate(prompt_ids, params, prepared.request_id)
 
@@ -147,7 +148,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             req = await parse(request, CompletionRequest, "completions")
             prompt = req.single_prompt()
             ids = await tokenize(lambda: llm.encode(prompt))
-            p, stream = start(ids, req, req.max_tokens, "cmpl")
+            p, stream = start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS)
             if req.stream:
                 end = _StreamEnd()
                 return sse(completion_events(p, req, stream, end), closing(stream, "completions", end))
@@ -231,7 +232,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
             return serving.chat_chunk(p, config.model_name, {"content": text}, out)
         # OpenAI opens every chat stream with the role; it also gets the headers to the client at once
-        yield data(serving.chat_chunk(p, config.model_name, {"role": "assistant", "content": ""}, None))
+        yield data(with_usage_field(req, serving.chat_chunk(p, config.model_name,
+                                                            {"role": "assistant", "content": ""}, None)))
         async for event in stream_events("chat", p, req, stream, end, chunk, "chat.completion.chunk"):
             yield event
 
@@ -244,11 +246,11 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             while (out := await drain.race(next_output(stream))) is not None:
                 text = deltas.delta(out)
                 if text or out.finished:
-                    yield data(chunk(text, out))
+                    yield data(with_usage_field(req, chunk(text, out)))
                 if out.finished:
                     metrics.observe_finished(endpoint, out)
                     end.counted = True
-                    if req.stream_options is not None and req.stream_options.include_usage:
+                    if wants_usage(req):
                         yield data(serving.usage_chunk(p, config.model_name, out, obj))
         except Exception as e:  # noqa: BLE001 -- the status line is sent; report in-band, as OpenAI does
             err = api_error_from(e)
@@ -283,6 +285,17 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def wants_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def with_usage_field(req: CompletionRequest | ChatCompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
+    """With include_usage, OpenAI gives every chunk a `usage` field, null on all but the usage chunk."""
+    if wants_usage(req):
+        body["usage"] = None
+    return body
 
 
 def _has_key(body: bytes, key: str) -> bool:

@@ -29,6 +29,11 @@ from specfleet.errors import InvalidRequestError
 MAX_STOP_CHARS = 4096
 
 
+# max_tokens when a /v1/completions request omits it, as at OpenAI and vLLM; chat requests have no
+# such default (they end at EOS or the end of the context, as at OpenAI)
+DEFAULT_COMPLETION_TOKENS = 16
+
+
 class UnsupportedError(InvalidRequestError):
     """A known OpenAI field was given a value this server does not implement (or a near-miss name)."""
 
@@ -149,7 +154,7 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None  # optional: a single-model server serves its model either way
-    max_tokens: int | None = None  # None: up to the end of the context
+    max_tokens: int | None = None  # None: the endpoint's default (DEFAULT_COMPLETION_TOKENS, or the context)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension; 0 or -1 = disabled
@@ -251,7 +256,7 @@ class ChatMessage(_Strict):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins them
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -75,11 +75,13 @@ def split_stops(stops: list[str], specials: Mapping[str, int]) -> tuple[list[str
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     num_prompt_tokens: int, max_model_len: int,
-                    specials: Mapping[str, int] | None = None) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; max_tokens defaults to the rest of the context."""
+                    specials: Mapping[str, int] | None = None, default_max_tokens: int | None = None) -> SamplingParams:
+    """OpenAI fields -> SamplingParams. Without max_tokens: `default_max_tokens`, or less where the
+    context has less room (the client did not ask for that number, so it is no reason for a 400);
+    None: the rest of the context."""
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {num_prompt_tokens} tokens and "
                             f"the context holds {max_model_len}, so at most {room} tokens can be generated; "
@@ -142,14 +144,15 @@ def completion_body(p: Prepared, model: str, out: RequestOutput) -> dict[str, An
 
 
 def completion_chunk(p: Prepared, model: str, text: str, out: RequestOutput | None) -> dict[str, Any]:
-    """One streamed completion chunk; the final one (out.finished) carries usage and spec."""
+    """One streamed completion chunk; the final one (out.finished) carries spec. Usage comes only in
+    the separate chunk that `stream_options.include_usage` asks for (usage_chunk), as at OpenAI."""
     is_final = out is not None and out.finished
     body: dict[str, Any] = {
         "id": p.request_id, "object": "text_completion", "created": p.created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None,
                      "finish_reason": out.finish_reason if is_final else None}]}
     if is_final:
-        body["usage"], body["spec"] = usage(out), spec_block(out)
+        body["spec"] = spec_block(out)
     return body
 
 
@@ -167,7 +170,7 @@ def chat_chunk(p: Prepared, model: str, delta: dict[str, str], out: RequestOutpu
         "choices": [{"index": 0, "delta": delta, "logprobs": None,
                      "finish_reason": out.finish_reason if is_final else None}]}
     if is_final:
-        body["usage"], body["spec"] = usage(out), spec_block(out)
+        body["spec"] = spec_block(out)
     return body
 
 
