@@ -96,7 +96,8 @@ def test_tokenize_errors(client, path, body, status, param):
 
 # -- chat templates ---------------------------------------------------------------------------------
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}{{ speaker | default('assistant') }}:{% endif %}")
+            "{% if add_generation_prompt %}{{ speaker | default('assistant') }}:{% endif %}"
+            "{% if turns is defined %} {{ turns + 1 }}{% endif %}")
 
 
 def test_chat_template_override_and_kwargs(llm):
@@ -112,6 +113,9 @@ def test_chat_template_override_and_kwargs(llm):
         want = templated.post("/tokenize", json={"messages": MESSAGES,
                                                  "chat_template_kwargs": {"speaker": "bot"}}).json()["count"]
         assert got["usage"]["prompt_tokens"] == want
+        assert prompt(chat_template_kwargs={"turns": 1}) == "user: Hi!\nassistant: 2"
+        r = templated.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": {"turns": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 def test_chat_template_kwargs_reach_the_models_own_template(client, llm):

@@ -13,7 +13,7 @@ from specfleet.server import serving
 from specfleet.server.app import ServerConfig, create_app
 from specfleet.server.errors import APIError
 from specfleet.server.metrics import MAX_UNKNOWN_FIELD_LABELS, OTHER_FIELD
-from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedError
+from specfleet.server.schemas import MAX_UNKNOWN_FIELDS, ChatCompletionRequest, CompletionRequest, UnsupportedError
 from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
 
 PROMPT = random_prompts([6])[0]
@@ -143,3 +143,16 @@ def test_special_token_stops_become_stop_token_ids():
     with pytest.raises(APIError, match="of its own") as caught:
         serving.sampling_params(req, 4, 6, 64, specials)
     assert caught.value.param == "stop"
+
+
+def test_a_field_repeated_in_every_message_counts_once(client):
+    messages = [{"role": "user", "content": "x", "reasoning_content": "r"}] * 100
+    req = ChatCompletionRequest.model_validate({"messages": messages})
+    assert req.check_fields() == ["messages.reasoning_content"]
+
+
+def test_too_many_distinct_unknown_fields_is_a_400(client):
+    body = {**OK, **{f"made_up_{i}": 1 for i in range(MAX_UNKNOWN_FIELDS + 1)}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and f"more than {MAX_UNKNOWN_FIELDS} fields" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={**OK, **{f"made_up_{i}": 1 for i in range(8)}}).status_code == 200

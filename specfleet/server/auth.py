@@ -1,9 +1,9 @@
 """Bearer-key authentication (`--api-key` / SPECFLEET_API_KEY), in front of every route but /health.
 
 A pure ASGI middleware, so an unauthenticated request is refused before its body is read (and its
-connection closed). /health
-stays open because load balancers and orchestrators probe it without credentials. The key is compared
-with hmac.compare_digest, whose time does not depend on how many leading characters were right.
+connection closed). /health stays open because load balancers and orchestrators probe it without
+credentials. The key is compared with hmac.compare_digest, whose time does not depend on how many
+leading characters were right.
 """
 from __future__ import annotations
 

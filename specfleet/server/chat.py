@@ -59,6 +59,12 @@ class ChatRenderer:
         if clash:
             raise UnsupportedError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)}: "
                                                            f"the server sets these itself")
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        try:
+            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        except (TypeError, ValueError) as e:  # e.g. `{{ n + 1 }}` with a string n: the request's values, not a bug
+            if not template_kwargs:
+                raise
+            raise UnsupportedError("chat_template_kwargs", f"the chat template failed with these "
+                                                           f"chat_template_kwargs: {e}") from e
         return tokenizer.encode(text, add_special_tokens=False)

@@ -27,7 +27,7 @@ from specfleet.errors import InvalidRequestError
 # scans each new token's text for every stop string and the stream holds back prefixes of them, so
 # the cost grows with the characters, and a client with many short stops (code models) is served.
 MAX_STOP_CHARS = 4096
-
+MAX_UNKNOWN_FIELDS = 64  # distinct unknown field names one request may carry
 
 # max_tokens when a /v1/completions request omits it, as at OpenAI and vLLM; chat requests have no
 # such default (they end at EOS or the end of the context, as at OpenAI)
@@ -99,26 +99,35 @@ class _Strict(BaseModel):
     def known_fields(cls) -> set[str]:
         return set(cls.model_fields) | set(cls._unsupported)
 
-    def check_fields(self, where: str = "") -> list[str]:
-        """Apply the field policy to this object and the objects inside it; return the unknown fields
-        (dotted names without list indexes, e.g. `messages.foo`) and raise on a near miss or an
-        unsupported value."""
-        unknown = []
+    def check_fields(self) -> list[str]:
+        """Apply the field policy to this object and the objects inside it; return the distinct unknown
+        fields (dotted names without list indexes, e.g. `messages.foo`) and raise on a near miss, an
+        unsupported value, or more than MAX_UNKNOWN_FIELDS unknown names (each costs a near-miss search
+        on the event loop, so a body full of made-up names is refused rather than searched)."""
+        unknown: dict[str, None] = {}  # an ordered set: a field repeated in every message counts once
+        self._check_fields("", unknown)
+        return list(unknown)
+
+    def _check_fields(self, where: str, unknown: dict[str, None]) -> None:
         for name, value in (self.model_extra or {}).items():
             path = f"{where}{name}"
             if name in self._unsupported:
                 if not self._unsupported[name].allows(value):
                     raise UnsupportedError(path, f"unsupported field '{path}': {self._unsupported[name].why}")
+            elif path in unknown:
+                continue
+            elif len(unknown) >= MAX_UNKNOWN_FIELDS:
+                raise UnsupportedError(path, f"the request has more than {MAX_UNKNOWN_FIELDS} fields this server "
+                                             f"does not know")
             elif (meant := near_miss(name, self.known_fields())) is not None:
                 raise UnsupportedError(path, f"unknown field '{path}': did you mean '{where}{meant}'?")
             else:
-                unknown.append(path)
+                unknown[path] = None
         for name in type(self).model_fields:
             value = getattr(self, name)
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, _Strict):
-                    unknown += item.check_fields(f"{where}{name}.")
-        return unknown
+                    item._check_fields(f"{where}{name}.", unknown)
 
 
 def near_miss(name: str, known: set[str]) -> str | None:
