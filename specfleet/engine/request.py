@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.errors import InvalidRequestError
+from specfleet.outputs import TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
@@ -68,7 +69,14 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+    # filled only when params.logprobs / params.prompt_logprobs ask for them (engine/executor.py)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
 
     @property
     def num_tokens(self) -> int:
