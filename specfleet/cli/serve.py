@@ -44,7 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="browser origins allowed by CORS, comma-separated or repeated (e.g. "
                         "https://app.example.com; * for any); default: no CORS headers")
     p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template replacing the model's own (for models without one, or to fix one)")
+                   help="a Jinja chat template replacing the model's own (for models without one, or to fix one); "
+                        "`chatml-tools` names the shipped ChatML template with tool calling (Hermes / Qwen2.5 "
+                        "syntax), for ChatML models whose own template has no tools (SmolLM2)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")

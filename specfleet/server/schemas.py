@@ -7,7 +7,7 @@ already use, which send fields of newer API versions, keep working; docs/compati
   it in /metrics), unless its name is a near miss of a known field (`max_token`, `temprature`,
   `maxTokens`): that is a 400 naming the field it probably meant;
 - fields OpenAI or vLLM define that we do not implement (tools, response_format, penalties,
-  logprobs, n>1, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
+  penalties, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
   unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
@@ -16,12 +16,14 @@ already use, which send fields of newer API versions, keep working; docs/compati
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specfleet.errors import InvalidRequestError
+from specfleet.sampling_params import MAX_LOGPROBS
 
 # Stop strings are bounded by their total length, not their number (OpenAI allows 4): the engine
 # scans each new token's text for every stop string and the stream holds back prefixes of them, so
@@ -32,6 +34,7 @@ MAX_UNKNOWN_FIELDS = 64  # distinct unknown field names one request may carry
 # max_tokens when a /v1/completions request omits it, as at OpenAI and vLLM; chat requests have no
 # such default (they end at EOS or the end of the context, as at OpenAI)
 DEFAULT_COMPLETION_TOKENS = 16
+MAX_N = 128  # samples per prompt, as at OpenAI
 
 
 class UnsupportedError(InvalidRequestError):
@@ -59,7 +62,7 @@ def _ignored(why: str) -> Unsupported:
     return Unsupported(why, None)
 
 
-_NO_TOOLS = "tool calling is not supported by this server"
+_OLD_FUNCTIONS = "the deprecated functions / function_call form is not supported; use tools and tool_choice"
 # fields of the OpenAI API (and of vLLM's extensions to it) that we know and do not implement,
 # shared by both endpoints; each model adds its own in `_unsupported`
 _SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
@@ -196,8 +199,8 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise UnsupportedError("n", f"n={self.n} is not supported; only n=1 is (send separate requests)")
+        if not 1 <= self.n <= MAX_N:
+            raise UnsupportedError("n", f"n={self.n} is out of range: give 1 to {MAX_N} samples")
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise UnsupportedError(param, f"{param} is not supported; leave it at 0")
@@ -212,7 +215,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    # one prompt: a string, a list with one string, token ids, or a list with one list of token ids
+    # a string, token ids, or a list of either (a batch: each prompt gets its own `n` choices)
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
@@ -224,27 +227,27 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedError("echo", "echo is not supported; leave it false")
         if self.suffix:
             raise UnsupportedError("suffix", "suffix (insertion) is not supported")
         if self.best_of not in (None, 1):
-            raise UnsupportedError("best_of", f"best_of={self.best_of} is not supported; only 1 is")
-        if self.logprobs is not None:
-            raise UnsupportedError("logprobs", "logprobs are not supported; leave logprobs unset")
+            raise UnsupportedError("best_of", f"best_of={self.best_of} is not supported; only 1 is (use n for "
+                                              f"several samples)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise UnsupportedError("logprobs", f"logprobs={self.logprobs} is out of range: give 0 to "
+                                               f"{MAX_LOGPROBS} alternatives per token")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedError("max_tokens", "max_tokens=0 is only allowed with echo=true (scoring a prompt)")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt this request carries; batches are refused rather than half-served."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request carries, in order: one, or a batch."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
-            raise UnsupportedError("prompt", "prompt is an empty list; give a string or token ids")
+            raise UnsupportedError("prompt", "prompt is an empty list; give a string, token ids, or a list of these")
         if isinstance(p[0], int):
-            return p  # type: ignore[return-value]
-        if len(p) != 1:
-            raise UnsupportedError("prompt", f"prompt holds {len(p)} prompts; send one prompt per request")
-        return p[0]  # type: ignore[return-value]
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TextPart(_Strict):
@@ -252,20 +255,70 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made (replayed in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None  # required; null only in an assistant message with tool_calls
     name: str | None = None
-    _unsupported = {"tool_calls": Unsupported(_NO_TOOLS, ([],)),
-                    "tool_call_id": Unsupported(_NO_TOOLS),
-                    "function_call": Unsupported(_NO_TOOLS),
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+    _unsupported = {"function_call": Unsupported(_OLD_FUNCTIONS),
                     "refusal": Unsupported("an assistant message's refusal cannot be replayed; leave it null"),
                     "audio": Unsupported("audio is not supported")}
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)  # as vLLM joins them
+
+    def check(self, where: str) -> None:
+        if self.tool_calls and self.role != "assistant":
+            raise UnsupportedError(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise UnsupportedError(f"{where}.content", "content may be null only in an assistant message with "
+                                                       "tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise UnsupportedError(f"{where}.tool_call_id", "a tool message needs the tool_call_id of the call "
+                                                            "it answers")
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; given to the chat template as it is
+    strict: bool | None = None  # accepted; nothing is enforced while generating (no grammar engine)
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -274,13 +327,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension: variables for the chat template
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     _unsupported = {
         **_SAMPLING_UNSUPPORTED,
-        "tools": Unsupported(_NO_TOOLS, ([],)),
-        "tool_choice": Unsupported(_NO_TOOLS, ("none", "auto")),  # without tools, both mean "no tool"
-        "parallel_tool_calls": _ignored("no tools, so no tool calls"),
-        "functions": Unsupported(_NO_TOOLS, ([],)),
-        "function_call": Unsupported(_NO_TOOLS, ("none", "auto")),
+        "functions": Unsupported(_OLD_FUNCTIONS, ([],)),
+        "function_call": Unsupported(_OLD_FUNCTIONS, ("none", "auto")),
         "audio": Unsupported("audio output is not supported"),
         "modalities": Unsupported("only text output is supported", (["text"],)),
         "prediction": Unsupported("predicted outputs are not supported (speculation needs no hint)"),
@@ -298,21 +351,58 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise UnsupportedError("logprobs", "logprobs are not supported; leave logprobs unset")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise UnsupportedError("top_logprobs", "top_logprobs needs logprobs=true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise UnsupportedError("top_logprobs", f"top_logprobs={self.top_logprobs} is out of range: give 0 "
+                                                       f"to {MAX_LOGPROBS}")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise UnsupportedError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+        for i, m in enumerate(self.messages):
+            m.check(f"messages.{i}")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            what = "'required'" if self.tool_choice == "required" else "a named function"
+            raise UnsupportedError("tool_choice", f"tool_choice {what} is not supported: forcing a call needs "
+                                                  f"constrained decoding, which this server does not have yet; "
+                                                  f"use 'auto' (the model decides) or 'none'")
+
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model is shown (and whose calls are parsed): none with tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    # chat templates know "system", not OpenAI's newer "developer" role for the same thing
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: "system" for OpenAI's newer "developer" role, content as
+    text ("" for an assistant message that only calls tools), and a call's arguments as the JSON object
+    they hold (templates write them with `tojson`; a string would come out quoted twice)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets it as the string it is
+    return value if isinstance(value, dict) else text
 
 
 class TokenizeRequest(_Strict):
@@ -332,13 +422,20 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[ToolDef] | None = None
     _unsupported = {"add_special_tokens": ChatCompletionRequest._unsupported["add_special_tokens"],
                     "continue_final_message": ChatCompletionRequest._unsupported["continue_final_message"],
-                    "chat_template": ChatCompletionRequest._unsupported["chat_template"],
-                    "tools": ChatCompletionRequest._unsupported["tools"]}
+                    "chat_template": ChatCompletionRequest._unsupported["chat_template"]}
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def check_supported(self) -> None:
+        for i, m in enumerate(self.messages):
+            m.check(f"messages.{i}")
+
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Strict):
@@ -350,11 +447,11 @@ class DetokenizeRequest(_Strict):
 
 # -- turning pydantic's errors into one clear sentence --------------------------------------------
 _EXPECTED = {
-    "prompt": "a string, a list with one string, or a list of token ids",
+    "prompt": "a string, a list of token ids, or a list of these",
     "stop": "a string or a list of strings",
     "messages": "a non-empty list of {\"role\", \"content\"} objects",
     "content": "a string or a list of {\"type\": \"text\", \"text\"} parts",
-    "role": "one of system, developer, user, assistant",
+    "role": "one of system, developer, user, assistant, tool",
 }
 
 
