@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from specfleet.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+from specfleet.server.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, FunctionCall, FunctionDef,
+                                      MessageToolCall, NamedFunction, NamedToolChoice, StreamOptions, ToolDef)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
 
 
-def section(title: str) -> str:
+def section(title: str, level: int = 2) -> str:
     text = DOC.read_text(encoding="utf-8")
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else len(text)]
+    start = text.index(f"\n{'#' * level} {title}\n")
+    after = re.search(r"\n#{1,%d} " % level, text[start + 1:])  # the next heading of this level or above
+    return text[start:start + 1 + after.start() if after else len(text)]
 
 
 def listed(text: str) -> set[str]:
@@ -34,3 +35,10 @@ def test_every_known_field_is_documented(title, schemas):
     want = set().union(*(schema.known_fields() for schema in schemas))
     assert not want - have, f"fields missing from the {title} section of {DOC.name}: {sorted(want - have)}"
     assert not have - want, f"{DOC.name} lists fields the server does not know: {sorted(have - want)}"
+
+
+def test_every_tool_schema_field_is_documented():
+    have = listed(section("Tool schemas", 3))
+    want = set().union(*(schema.known_fields() for schema in (ToolDef, FunctionDef, MessageToolCall, FunctionCall,
+                                                             NamedToolChoice, NamedFunction)))
+    assert have == want, f"{DOC.name}'s Tool schemas table: missing {sorted(want - have)}, extra {sorted(have - want)}"

@@ -6,8 +6,8 @@ already use, which send fields of newer API versions, keep working; docs/compati
 - a field this server does not know is accepted and ignored (the app logs its name once and counts
   it in /metrics), unless its name is a near miss of a known field (`max_token`, `temprature`,
   `maxTokens`): that is a 400 naming the field it probably meant;
-- fields OpenAI or vLLM define that we do not implement (tools, response_format, penalties,
-  penalties, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
+- fields OpenAI or vLLM define that we do not implement (response_format, penalties, guided
+  decoding, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
   unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
