@@ -73,7 +73,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     request is seeded with seed + j (so sample 0 is what n=1 gives). max_tokens=0 (echo only) runs one
     token, which the response leaves out."""
     room = max_model_len - num_prompt_tokens
-    if max_tokens == 0:
+    if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
         max_tokens = 1
     elif max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
@@ -84,7 +84,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
                        code="context_length_exceeded")
     # SamplingParams validates ranges itself and raises InvalidRequestError (-> 400)
     stop, special_ids = split_stops(req.stop_list(), specials or {})
-    seed = None if req.seed is None else (req.seed + sample) % 2**63
+    # sample 0 keeps the seed as given, so an invalid one is still refused (by SamplingParams)
+    seed = req.seed if req.seed is None or sample == 0 else (req.seed + sample) % 2**63
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs
         prompt_logprobs = (req.logprobs or 0) if req.echo and req.logprobs is not None else None
