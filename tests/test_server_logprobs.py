@@ -134,6 +134,7 @@ def test_n_samples_and_a_batch_of_prompts(llm):
         single = [post(client, "/v1/completions", prompt=p, max_tokens=6, seed=5 + j)["choices"][0]["text"]
                   for p in prompts for j in range(2)]
         got = post(client, "/v1/completions", prompt=prompts, n=2, max_tokens=6, seed=5)
+        twice = post(client, "/v1/completions", prompt=[prompts[0]] * 2, n=2, max_tokens=1)
         chat = post(client, "/v1/chat/completions", messages=MESSAGES, n=3, max_tokens=5, seed=9, temperature=1.5)
         chunks = events(client, "/v1/chat/completions", messages=MESSAGES, n=3, max_tokens=5, seed=9, temperature=1.5,
                         stream_options={"include_usage": True})
@@ -142,6 +143,8 @@ def test_n_samples_and_a_batch_of_prompts(llm):
     assert [c["text"] for c in got["choices"]] == single
     assert all("spec" in c for c in got["choices"]) and "spec" not in got
     assert got["usage"]["completion_tokens"] == 4 * 6
+    assert got["usage"]["prompt_tokens"] == sum(len(llm.encode(p)) for p in prompts)  # once per prompt, not per sample
+    assert twice["usage"]["prompt_tokens"] == 2 * len(llm.encode(prompts[0]))  # a prompt given twice counts twice
     assert len({c["message"]["content"] for c in chat["choices"]}) > 1  # sampled: different answers
     assert chat["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] < chat["usage"]["total_tokens"]
     texts = {i: "" for i in range(3)}

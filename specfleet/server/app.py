@@ -202,7 +202,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 metrics.observe_finished("completions", out)
             return JSONResponse(serving.completion_body(
                 response_id, created, config.model_name, [shape.final(c, out) for c, out in zip(choices, outs)],
-                serving.usage(outs, shape.skip_tokens)))
+                serving.usage(outs, req.n, shape.skip_tokens)))
         return await serve("completions", request, handle)
 
     @app.post("/v1/chat/completions")
@@ -225,7 +225,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 metrics.observe_finished("chat", out)
             return JSONResponse(serving.chat_body(
                 response_id, created, config.model_name, [shape.final(c, out) for c, out in zip(choices, outs)],
-                serving.usage(outs)))
+                serving.usage(outs, req.n)))
         return await serve("chat", request, handle)
 
     @app.post("/tokenize")
@@ -302,7 +302,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 outs = [finals[k] for k in sorted(finals)]
                 skip = states[0].skip_tokens if states else 0
                 yield data(serving.usage_chunk(response_id, created, config.model_name, obj,
-                                               serving.usage(outs, skip), outs))
+                                               serving.usage(outs, req.n, skip), outs))
         except Exception as e:  # noqa: BLE001 -- the status line is sent; report in-band, as OpenAI does
             err = api_error_from(e)
             metrics.observe_rejected(endpoint, err.status)

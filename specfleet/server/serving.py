@@ -131,13 +131,11 @@ class DeltaText:
         return best
 
 
-def usage(outs: list[RequestOutput], skip_tokens: int = 0) -> dict[str, int]:
-    """Usage of a response: each distinct prompt counted once (n samples share theirs, as at OpenAI),
-    every choice's tokens (less the `skip_tokens` of an echo with max_tokens=0)."""
-    prompts: dict[tuple[int, ...], int] = {}
-    for out in outs:
-        prompts.setdefault(tuple(out.prompt_token_ids), len(out.prompt_token_ids))
-    n_prompt = sum(prompts.values())
+def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, int]:
+    """Usage of a response whose choices are `n` samples of each prompt in turn: each prompt counted once
+    (its samples share it, as at OpenAI), every choice's tokens (less the `skip_tokens` of an echo with
+    max_tokens=0)."""
+    n_prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
     n_out = sum(max(0, len(out.token_ids) - skip_tokens) for out in outs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
