@@ -104,7 +104,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                            allow_headers=["*"], expose_headers=["Retry-After"])
     install_error_handlers(app)
 
-    async def tokenize(fn: Callable[[], list[int]]) -> list[int]:
+    async def tokenize(fn: Callable[[], T]) -> T:
         try:
             return await drain.race(asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn))
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
@@ -188,7 +188,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             req = await parse(request, CompletionRequest, "completions")
             prompts = req.prompts()
             ids = [await tokenize(lambda p=p: llm.encode(p)) for p in prompts]
-            texts = [prompt_text(p, i) for p, i in zip(prompts, ids)] if req.echo else None
+            texts = [await tokenize(lambda p=p, i=i: prompt_text(p, i)) for p, i in zip(prompts, ids)] \
+                if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
             response_id, choices = await start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS, texts)
             created = serving.now()
             shape = CompletionShape(req, token_text)
