@@ -95,3 +95,30 @@ def test_no_logprobs_asked_none_returned_and_bounds_checked():
             SamplingParams(logprobs=bad)
         with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_logprobs_survive_preemption():
+    """A preempted request recomputes its prompt and output as one long prompt: no prompt token is
+    scored twice, no output token loses or repeats its entry, and the numbers match a roomy run."""
+    from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+    from specfleet.engine.engine import Engine
+    from tiny_models import run_to_completion
+
+    model = ours_from_hf(tiny_hf_model("qwen2"))
+    c = model.config
+    block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4  # fp32, 4 slots a block
+
+    def engine(num_blocks: int, **sched) -> Engine:
+        return Engine(model, None, EngineConfig(CacheConfig(4, block_bytes * num_blocks), SchedulerConfig(**sched)))
+
+    prompts = random_prompts([25, 18, 30, 11, 27, 16])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    roomy = run_to_completion(engine(256), prompts, sp)
+    squeezed = run_to_completion(engine(40, max_num_batched_tokens=16), prompts, sp)
+    assert sum(o.metrics["num_preemptions"] for o in squeezed) > 0
+    for a, b, p in zip(roomy, squeezed, prompts):
+        assert b.token_ids == a.token_ids and [lp.token_id for lp in b.logprobs] == b.token_ids
+        assert [lp.token_id for lp in b.prompt_logprobs[1:]] == p[1:] and len(b.prompt_logprobs) == len(p)
+        assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
+        assert [lp.logprob for lp in b.prompt_logprobs[1:]] == \
+            pytest.approx([lp.logprob for lp in a.prompt_logprobs[1:]], abs=1e-5)
