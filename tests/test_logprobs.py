@@ -122,3 +122,23 @@ def test_logprobs_survive_preemption():
         assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
         assert [lp.logprob for lp in b.prompt_logprobs[1:]] == \
             pytest.approx([lp.logprob for lp in a.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_no_extra_logit_rows_unless_prompt_logprobs_are_asked_for():
+    """Plain requests ask the runner for exactly the rows they verify (the last prompt row, then one
+    per step); prompt_logprobs adds one row per prompt token after the first, once."""
+    llm = tiny_llm(max_num_batched_tokens=8)
+    runner = llm.engine.runner
+    rows: list[int] = []
+    real = runner.execute
+
+    def counting(items, blocks=None):
+        rows.append(sum(len(it.logit_indices) for it in items))
+        return real(items, blocks)
+    runner.execute = counting
+    prompt = random_prompts([20])[0]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))
+    assert sum(rows) == 4  # 20 prompt tokens in three chunks: rows only for the four emitted tokens
+    rows.clear()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0))
+    assert sum(rows) == 4 + 19
