@@ -29,14 +29,13 @@ from starlette.types import Receive, Scope, Send
 from specfleet.engine.async_engine import AsyncEngine, RequestStream
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
-from specfleet.sampling_params import SamplingParams
 from specfleet.server import serving
 from specfleet.server.auth import ApiKeyMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
 from specfleet.server.chat import ChatRenderer
-from specfleet.server.choices import ChatShape, CompletionShape
+from specfleet.server.choices import ChatShape, Choice, CompletionShape
 from specfleet.server.schemas import (DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                       describe_validation_error)
@@ -55,17 +54,6 @@ class ServerConfig:
     api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none: no CORS headers
     chat_template: str | None = None  # a Jinja chat template replacing the model's own (--chat-template)
-
-
-@dataclass
-class Choice:
-    """One choice of a response: its own engine request."""
-
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: RequestStream
-    prompt_text: str | None = None  # the prompt as text, for a completion's echo
 
 
 class ClientGone(Exception):

@@ -9,14 +9,25 @@ the previous chunk; a streamed tool call is sent whole, in one delta, once the m
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
+from specfleet.engine.async_engine import RequestStream
 from specfleet.outputs import RequestOutput
+from specfleet.sampling_params import SamplingParams
 from specfleet.server import serving, tools
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest
 
-if TYPE_CHECKING:
-    from specfleet.server.app import Choice
+@dataclass
+class Choice:
+    """One choice of a response: its own engine request."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    prompt_text: str | None = None  # the prompt as text, for a completion's echo
+
 
 # (fields of the chunk's choice, whether it is the choice's final chunk, finish_reason override)
 Chunk = tuple[dict[str, Any], bool, "str | None"]
