@@ -59,6 +59,21 @@ def test_anything_but_well_formed_calls_stays_content(text):
     assert parse_tool_calls(text) == (text, [])
 
 
+def test_a_bare_call_to_a_known_tool_counts():
+    """Small Qwen2.5 models often write the call without its tags."""
+    names = frozenset({"get_weather", "get_time"})
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    content, calls = parse_tool_calls(bare, names)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    _, calls = parse_tool_calls(f'[{bare}, {{"name": "get_time", "parameters": {{}}}}]\n', names)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    for text in (bare, '{"name": "other", "arguments": {}}',  # not one of the request's tools
+                 '{"name": "get_weather", "arguments": {}, "note": 1}',  # more than a call
+                 '{"name": "get_weather"}', 'Sure: ' + bare, "[]"):
+        expected_names = names if text != bare else frozenset()  # bare without tools: content
+        assert parse_tool_calls(text, expected_names) == (text, [])
+
+
 def test_tool_call_prefix_is_held_back():
     assert [tool_call_prefix_len(t) for t in ("Hi <", "Hi <tool_c", "Hi <tool_call", "Hi", "a < b")] == [1, 7, 10, 0, 0]
 
@@ -164,3 +179,36 @@ def test_parallel_tool_calls_false_keeps_the_first(llm, client, monkeypatch):
     assert both["content"] is None and [c["function"]["name"] for c in both["tool_calls"]] == ["get_weather", "get_time"]
     one = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
     assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.real_model
+def test_qwen_calls_a_tool_itself():
+    """Qwen2.5-Coder-0.5B-Instruct with its own template (which knows tools): asked for the weather it
+    calls get_weather (bare JSON, which this model writes), streamed or not; the call and its result
+    replayed reach the prompt in Qwen's format."""
+    from conftest import real_model_path
+
+    real_model_path("qwen2.5-coder-0.5b-instruct")  # skips when it is not installed
+    llm = LLM("qwen2.5-coder-0.5b-instruct", None, max_model_len=1024, kv_cache_bytes=64 << 20)
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    body = {"messages": ask, "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
+    with TestClient(create_app(llm, ServerConfig("qwen"))) as client:
+        got = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = [json.loads(ln[6:]) for ln in client.post("/v1/chat/completions", json={**body, "stream": True})
+                  .text.splitlines() if ln.startswith("data: {")]
+        assert got["finish_reason"] == "tool_calls" and got["message"]["content"] is None
+        [call] = got["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)  # the JSON was held back
+        [[streamed]] = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+        assert streamed["function"] == call["function"] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        history = ask + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees Celsius, sunny"}]
+        r = client.post("/v1/chat/completions", json={**body, "messages": history})
+        ids = client.post("/tokenize", json={"messages": history, "tools": [WEATHER]}).json()["tokens"]
+        prompt = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    # the call and its result are in the prompt, in Qwen's own format (the 0.5B model then tends to call
+    # again rather than answer, so the answer itself is not checked)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 degrees Celsius, sunny\n</tool_response>" in prompt

@@ -97,12 +97,13 @@ class CompletionStream:
 class ChatShape:
     def __init__(self, req: ChatCompletionRequest, texts: serving.TokenText, parse_tools: bool):
         self.req, self.texts, self.parse_tools = req, texts, parse_tools
+        self.tool_names = frozenset(t.function.name for t in req.tools or []) if parse_tools else frozenset()
         self.skip_tokens = 0
 
     def tool_calls(self, text: str) -> tuple[str | None, list[tools.ToolCall]]:
         if not self.parse_tools:
             return text, []
-        content, calls = tools.parse_tool_calls(text)
+        content, calls = tools.parse_tool_calls(text, self.tool_names)
         if calls and not self.req.parallel_tool_calls:
             calls = calls[:1]
         return content, calls
@@ -149,16 +150,21 @@ class ChatStream:
             return []
         start = text.find(tools.TOOL_CALL_START)
         if not out.finished:
-            # content before a call is final; a possible start of one is held back; the call waits for the end
-            delta = self.deltas.delta_of(text[:start], True) if start >= 0 else \
-                self.deltas.delta_of(text, False, hold=tools.tool_call_prefix_len(text))
+            # content before a call is final; a possible start of one is held back; the call waits for the
+            # end, and so does a message that may be a bare call
+            if start >= 0:
+                delta = self.deltas.delta_of(text[:start], True)
+            elif self.deltas.sent == "" and tools.may_be_bare_call(text):
+                delta = ""
+            else:
+                delta = self.deltas.delta_of(text, False, hold=tools.tool_call_prefix_len(text))
             return [({"delta": {"content": delta}, "logprobs": self._logprobs(out)}, False, None)] if delta else []
         _, calls = self.shape.tool_calls(text)
         if not calls:
             delta = self.deltas.delta_of(text, True)
             return [({"delta": {"content": delta}, "logprobs": self._logprobs(out)}, True, None)]
         got: list[Chunk] = []
-        delta = self.deltas.delta_of(text[:start], True)
+        delta = self.deltas.delta_of(text[:start], True) if start >= 0 else ""
         if delta:
             got.append(({"delta": {"content": delta}, "logprobs": None}, False, None))
         got.append(({"delta": {"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)]},

@@ -9,7 +9,9 @@ so far is the Hermes / Qwen2.5 one, which any template that mentions `<tool_call
     </tool_call>
 
 one block per call (a block may also hold a JSON list of calls). Text before the first block is the
-message's content. Nothing is enforced while generating (there is no grammar engine yet), so what the
+message's content. Small models often drop the tags (Qwen2.5-Coder-0.5B answers "weather in Paris?"
+with a bare `{"name": "get_weather", "arguments": {"city": "Paris"}}`): a message that is nothing but
+such a call (or a JSON list of them), naming one of the request's tools, is taken as a call too. Nothing is enforced while generating (there is no grammar engine yet), so what the
 model writes is taken as it is: a block that is not a JSON call leaves the whole text as content, and
 `tool_choice: "required"` or a named function are refused rather than hoped for.
 """
@@ -52,12 +54,13 @@ def parser_for(template: str | None) -> str | None:
     return "hermes" if template and TOOL_CALL_START in template else None
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, tool_names: frozenset[str] = frozenset()) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a finished message. Without a well-formed call the text is all content.
-    A last block the model did not close (it stopped at EOS right after the JSON) still counts."""
+    A last block the model did not close (it stopped at EOS right after the JSON) still counts; so does
+    a message that is only a bare call to one of `tool_names` (see the module docstring)."""
     start = text.find(TOOL_CALL_START)
     if start < 0:
-        return text, []
+        return (None, bare) if (bare := _bare_calls(text, tool_names)) else (text, [])
     calls: list[ToolCall] = []
     for block in _BLOCK.finditer(text, start):
         body = block.group(1).strip()
@@ -74,6 +77,33 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     content = text[:start].strip()
     return content or None, calls
+
+
+def _bare_calls(text: str, tool_names: frozenset[str]) -> list[ToolCall]:
+    """The calls a message holds when it is nothing but a call object or a list of them, each exactly
+    {"name": one of the tools, "arguments" (or "parameters"): {...}}; else none."""
+    if not tool_names or text.strip()[:1] not in ("{", "["):
+        return []
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    calls = []
+    for item in obj if isinstance(obj, list) and obj else [obj]:
+        if not isinstance(item, dict) or item.get("name") not in tool_names or \
+                set(item) not in ({"name", "arguments"}, {"name", "parameters"}):
+            return []
+        parsed = _call(item)
+        if parsed is None:
+            return []
+        calls.append(parsed)
+    return calls
+
+
+def may_be_bare_call(text: str) -> bool:
+    """Whether a message that begins with `text` could still turn out to be a bare call (a stream holds
+    its content back until the end)."""
+    return text.strip()[:1] in ("", "{", "[")
 
 
 def _call(obj: Any) -> ToolCall | None:
