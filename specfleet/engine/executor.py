@@ -175,7 +175,7 @@ class StepExecutor:
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
-    """Row i's log-softmax at tokens[i], with the row's `top_n` most likely tokens (one host copy)."""
+    """Row i's log-softmax at tokens[i], with the row's `top_n` most likely tokens, most likely first."""
     lp = torch.log_softmax(rows.float(), dim=-1)
     picked = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
     if top_n:
