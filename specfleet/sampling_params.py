@@ -1,10 +1,18 @@
-"""Per-request sampling settings. Temperature 0 means greedy decoding."""
+"""Per-request sampling settings. Temperature 0 means greedy decoding.
+
+`logprobs` and `prompt_logprobs` ask for log-probabilities of the target's own distribution (the
+log-softmax of its logits, before temperature, top-k and top-p, as vLLM reports them): None (the
+default) computes nothing; n >= 0 gives each token's own log-probability plus its n most likely
+alternatives (at most MAX_LOGPROBS).
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
 @dataclass
@@ -17,6 +25,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,3 +60,7 @@ class SamplingParams:
             bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
+                bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")

@@ -85,12 +85,14 @@ def test_completion_matches_offline(client, want):
 
 def test_streamed_completion_matches_offline(client, want):
     ref = want["completion"]
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == ref.text
-    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
-    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
-    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
-    assert chunks[-1].model_extra["spec"]["drafted"] == ref.metrics["drafted"]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert text_chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert all(c.choices[0].finish_reason is None and c.usage is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(ref.token_ids)
+    assert text_chunks[-1].model_extra["spec"]["drafted"] == ref.metrics["drafted"]
 
 
 def test_chat_matches_offline(client, want):
@@ -142,13 +144,13 @@ def test_models_health_and_metrics(server, client):
 def test_sigterm_lets_inflight_stream_finish(server, client):
     """Last in this module: stops the shared server. A stream running at SIGTERM completes in full."""
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     first = next(iter(stream))
     server.proc.send_signal(signal.SIGTERM)
     rest = list(stream)
-    assert rest[-1].choices[0].finish_reason == "length"
+    assert rest[-2].choices[0].finish_reason == "length"
     assert rest[-1].usage.completion_tokens == 32
-    assert first.choices[0].text + "".join(c.choices[0].text for c in rest) != ""
+    assert first.choices[0].text + "".join(c.choices[0].text for c in rest[:-1]) != ""
     assert server.proc.wait(60) == 0, server.log_tail()
     assert "server stopped" in server.log_tail()
     with pytest.raises(httpx.TransportError):  # and it no longer listens

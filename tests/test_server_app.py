@@ -59,3 +59,50 @@ def test_engine_failure_mid_stream_is_reported_and_final(llm):
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
         metrics = client.get("/metrics").text
         assert "specfleet_engine_healthy 0.0" in metrics
+
+
+def test_tokenize_routes_need_a_tokenizer(llm):
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        r = client.post("/tokenize", json={"prompt": "text"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        r = client.post("/detokenize", json={"tokens": PROMPT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def stream(client: TestClient, **fields) -> list:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True, **fields}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return events(r)
+
+
+def test_stream_usage_only_with_include_usage_and_then_once(llm):
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        for options in ({}, {"stream_options": None}, {"stream_options": {"include_usage": False}}):
+            got = stream(client, **options)
+            assert got[-1] == "[DONE]" and got[-2]["choices"][0]["finish_reason"] == "length"
+            assert all("usage" not in e for e in got[:-1]), got  # as at OpenAI: no usage unless asked for
+        got = stream(client, stream_options={"include_usage": True})
+        assert got[-1] == "[DONE]"
+        with_usage = [e for e in got[:-1] if e["usage"] is not None]  # every chunk has the field, as at OpenAI
+        assert with_usage == [got[-2]] and got[-2]["choices"] == []
+        n = len(PROMPT)
+        assert got[-2]["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4}
+        assert got[-3]["choices"][0]["finish_reason"] == "length" and "spec" in got[-3]
+
+
+def test_completions_default_to_16_tokens(llm):
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+        r = client.post("/v1/completions", json={**body, "max_tokens": None})  # null means the default
+        assert r.json()["usage"]["completion_tokens"] == 16
+        # near the end of the context the default shrinks to the room left instead of failing
+        room = 5
+        long_prompt = (PROMPT * 1000)[:llm.engine.max_model_len - room]
+        r = client.post("/v1/completions", json={**body, "prompt": long_prompt})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room
+        r = client.post("/v1/completions", json={**body, "prompt": long_prompt, "max_tokens": room + 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -45,27 +45,31 @@ async def one_request(client: openai.AsyncOpenAI, rng: random.Random) -> Result:
     topic = rng.choice(TOPICS)
     max_tokens = rng.randint(2, 8)
     t0 = time.perf_counter()
-    ttft, text, last = None, "", None
+    ttft, text, last, finish_reason = None, "", None, None
+    usage = {"include_usage": True}
     if rng.random() < 0.5:
         stream = await client.completions.create(model=MODEL, prompt=f"A short note about {topic}:",
                                                  max_tokens=max_tokens, temperature=rng.choice([0, 0.7]),
-                                                 stream=True)
+                                                 stream=True, stream_options=usage)
         async for chunk in stream:
-            ttft = ttft or time.perf_counter() - t0
-            text += chunk.choices[0].text
+            if chunk.choices:
+                ttft = ttft or time.perf_counter() - t0
+                text += chunk.choices[0].text
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
             last = chunk
     else:
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"One sentence about {topic}."}],
-            max_tokens=max_tokens, temperature=rng.choice([0, 0.7]), stream=True)
+            max_tokens=max_tokens, temperature=rng.choice([0, 0.7]), stream=True, stream_options=usage)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 ttft = ttft or time.perf_counter() - t0
+            if chunk.choices:
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
             last = chunk
-    assert last is not None and last.usage is not None, "the final chunk carries usage"
+    assert last is not None and last.usage is not None, "the last chunk carries usage"
     assert 1 <= last.usage.completion_tokens <= max_tokens
-    return Result(time.perf_counter() - t0, ttft or 0.0, last.usage.completion_tokens,
-                  last.choices[0].finish_reason)
+    return Result(time.perf_counter() - t0, ttft or 0.0, last.usage.completion_tokens, finish_reason)
 
 
 async def run_load(base_url: str) -> tuple[list[Result], float]:

@@ -1,7 +1,9 @@
 """The real server in a subprocess, driven by the official `openai` client: explicit nulls in optional
-fields, GET /v1/models/{id}, HEAD /health, and a shutdown that times out with requests still running
-(each gets a complete 503 answer; the server logs no traceback and exits 0). One in-process test on a
-tiny random model covers a request that arrives once shutdown has begun."""
+fields, GET /v1/models/{id}, HEAD /health, --api-key, tool calling (the server runs the shipped
+`chatml-tools` template, since SmolLM2's own has no tools), logprobs, echo, n and batches of prompts as
+the SDK parses them, and a shutdown that times out with requests still running (each gets a complete
+503 answer; the server logs no traceback and exits 0). One in-process test on a tiny random model
+covers a request that arrives once shutdown has begun."""
 from __future__ import annotations
 
 import json
@@ -24,16 +26,29 @@ PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name two fruits."}]
 
 
+API_KEY = "sk-specfleet-test"  # the module's server requires it: the official client sends it as a bearer key
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED)
+    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED, "--api-key", API_KEY,
+                       "--chat-template", "chatml-tools")
     yield srv
     stop_server(srv)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.real_model
+def test_wrong_api_key_is_an_authentication_error(server):
+    wrong = openai.OpenAI(base_url=server.url("/v1"), api_key="sk-wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.models.list()
+    assert caught.value.code == "invalid_api_key"
+    assert httpx.get(server.url("/metrics"), timeout=10).status_code == 401
 
 
 # (endpoint, what the request sets to null, what it needs beside the null to stay short)
@@ -96,6 +111,65 @@ def test_head_health(server):
     r = httpx.head(server.url("/health"), timeout=10)
     assert r.status_code == 200 and r.content == b""
     assert httpx.get(server.url("/health"), timeout=10).json() == {"status": "ok"}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.real_model
+def test_tool_call_round_trip(server, client):
+    """A request with tools; then the conversation with the assistant's call (content null) and the
+    tool's result, which the template renders; then the final answer. The 135M model rarely calls a
+    tool by itself, so the call is canned; whatever it writes must come back in a shape the SDK parses."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=SERVED, messages=ask, tools=[WEATHER], tool_choice="auto",
+                                           max_tokens=40, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        assert call.type == "function" and isinstance(json.loads(call.function.arguments), dict)
+    conversation = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    final = client.chat.completions.create(model=SERVED, messages=conversation, tools=[WEATHER], max_tokens=30,
+                                           temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.choices[0].message.role == "assistant"
+    # the prompt it ran on is the template's, with the call and its result in it
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(server.url("/tokenize"), json={"messages": conversation, "tools": [WEATHER]}, headers=headers,
+                     timeout=30).json()["tokens"]
+    assert final.usage.prompt_tokens == len(ids)
+    prompt = httpx.post(server.url("/detokenize"), json={"tokens": ids}, headers=headers, timeout=30).json()["prompt"]
+    assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n18 degrees and sunny\n" in prompt
+    streamed = list(client.chat.completions.create(model=SERVED, messages=conversation, tools=[WEATHER],
+                                                   max_tokens=30, temperature=0, stream=True))
+    assert streamed[-1].choices[0].finish_reason == final.choices[0].finish_reason
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text.strip() == (final.choices[0].message.content or "").strip()  # (content before a call is stripped)
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(model=SERVED, messages=ask, tools=[WEATHER], tool_choice="required")
+
+
+@pytest.mark.real_model
+def test_logprobs_echo_n_and_prompt_batches_through_the_sdk(client):
+    # lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs=1, max_tokens=1
+    prompts = [[504, 1345, 3256, 4375, 359], [504, 1345, 3256]]
+    got = client.completions.create(model=SERVED, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    for c, ids in zip(got.choices, prompts):
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+        assert all(max(top.values()) >= x for top, x in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    chat = client.chat.completions.create(model=SERVED, messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                          max_tokens=3, temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    for item in chat.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob
 
 
 @pytest.mark.real_model

@@ -5,14 +5,24 @@ connections get 503, and in-flight requests have --shutdown-timeout seconds to f
 running then end with a 503 error of their own (a JSON body, or a final error event and [DONE] in a
 stream; server/shutdown.py) and their engine requests are aborted. The app's lifespan then stops the
 engine thread, and the process exits 0.
+
+With --api-key (or SPECFLEET_API_KEY) every route but /health needs `Authorization: Bearer KEY`;
+--allowed-origins lets browser apps on those origins call the API (CORS).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from specfleet.server.app import ServerConfig
+
+API_KEY_ENV = "SPECFLEET_API_KEY"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +37,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM; then they end with a 503 error")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        f"{API_KEY_ENV} environment variable, which unlike this flag other users cannot see in ps)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="browser origins allowed by CORS, comma-separated or repeated (e.g. "
+                        "https://app.example.com; * for any); default: no CORS headers")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's own (for models without one, or to fix one); "
+                        "`chatml-tools` names the shipped ChatML template with tool calling (Hermes / Qwen2.5 "
+                        "syntax), for ChatML models whose own template has no tools (SmolLM2)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
@@ -53,6 +73,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
+    """The app's settings from the command line; the API key falls back to the environment."""
+    from specfleet.server.app import ServerConfig
+    from specfleet.server.chat import read_chat_template
+
+    origins = tuple(o.strip() for arg in args.allowed_origins or [] for o in arg.split(",") if o.strip())
+    return ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
+                        args.shutdown_timeout, api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+                        allowed_origins=origins,
+                        chat_template=read_chat_template(args.chat_template) if args.chat_template else None)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from specfleet.extras import require
 
@@ -62,16 +94,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from specfleet.cli.common import build_llm
     from specfleet.errors import SpecfleetError
-    from specfleet.server.app import ServerConfig, create_app
+    from specfleet.server.app import create_app
     from specfleet.server.shutdown import UVICORN_BACKSTOP_S, Drain
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         raise SpecfleetError("--max-queue and --max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    config = server_config(args, os.environ)  # before the slow model load: bad settings fail at once
     sock = _bind(args.host, args.port)
     llm = build_llm(args)
-    config = ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
-                          args.shutdown_timeout)
     app = create_app(llm, config)
     drain: Drain = app.state.drain
 
@@ -87,7 +118,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     host, port = sock.getsockname()[:2]
     print(f"specfleet: serving {config.model_name} on http://{host}:{port} "
-          f"(context {llm.engine.max_model_len} tokens, {llm.engine.blocks.num_blocks} KV blocks)", flush=True)
+          f"(context {llm.engine.max_model_len} tokens, {llm.engine.blocks.num_blocks} KV blocks"
+          f"{'; API key required' if config.api_key else ''})", flush=True)
     # uvicorn's own timeout only backs ours up: it cancels what the drain could not end in time
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout + UVICORN_BACKSTOP_S,

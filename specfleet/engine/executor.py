@@ -22,7 +22,7 @@ from specfleet.engine.request import Request
 from specfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specfleet.engine.step_costs import StepCostModel
 from specfleet.engine.stop import StopChecker
-from specfleet.outputs import RequestOutput
+from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner, tree_item
 from specfleet.runtime.sampling import target_probs
@@ -43,12 +43,19 @@ class StepExecutor:
     def execute(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Feedback]]:
         """Forward, verify and commit one schedule: the outputs, and feedback for every verified
         draft with its share of the forward."""
-        items = [self._forward_item(s) for s in sched.scheduled]
+        items, prompt_rows = [], []
+        for s in sched.scheduled:
+            item, n_prompt_rows = self._forward_item(s)
+            items.append(item)
+            prompt_rows.append(n_prompt_rows)
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [rows, vocab]
         outputs, feedback, row = [], [], 0
         emitting = [s for s in sched.scheduled if s.completes_sequence]
-        for s in sched.scheduled:
+        for s, n_prompt_rows in zip(sched.scheduled, prompt_rows):
+            if n_prompt_rows:
+                self._record_prompt_logprobs(s.request, logits[row:row + n_prompt_rows])
+                row += n_prompt_rows
             if not s.completes_sequence:  # a prompt chunk that stops short of the end: nothing to emit
                 s.request.num_computed_tokens += s.num_new_tokens
                 continue
@@ -57,7 +64,11 @@ class StepExecutor:
             rows = logits[row:row + len(tree) + 1]
             row += len(tree) + 1
             result = self._verify(s.request, tree, rows)
+            num_before = len(s.request.output_token_ids)
             fb = self._commit(s, tree, result)
+            if s.request.params.logprobs is not None:
+                self._record_logprobs(s.request, rows, result.accepted_nodes,
+                                      len(s.request.output_token_ids) - num_before)
             if s.with_draft:
                 feedback.append(fb)
             outputs.append(self.output(s.request))
@@ -69,14 +80,48 @@ class StepExecutor:
         self.stats.verify_time += verify_time
         return outputs, [dataclasses.replace(f, verify_time=share) for f in feedback]
 
-    def _forward_item(self, s: ScheduledRequest) -> ForwardItem:
+    def _forward_item(self, s: ScheduledRequest) -> tuple[ForwardItem, int]:
+        """The request's forward item, and how many rows of logits it asks for first for its prompt's
+        log-probabilities (0 unless params.prompt_logprobs asks for them)."""
         req = s.request
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + s.num_new_tokens]
         block_ids = self.blocks.block_ids(req.request_id)
+        prompt_rows = self._prompt_logit_rows(req, start, len(tokens)) if req.params.prompt_logprobs is not None \
+            else []
         if not s.completes_sequence:
-            return ForwardItem(req.request_id, tokens, start, [], block_ids=block_ids)
-        return tree_item(req.request_id, tokens, start, req.draft if s.with_draft else EMPTY_TREE, block_ids)
+            return ForwardItem(req.request_id, tokens, start, prompt_rows, block_ids=block_ids), len(prompt_rows)
+        item = tree_item(req.request_id, tokens, start, req.draft if s.with_draft else EMPTY_TREE, block_ids)
+        if prompt_rows:
+            item.logit_indices = prompt_rows + item.logit_indices
+        return item, len(prompt_rows)
+
+    @staticmethod
+    def _prompt_logit_rows(req: Request, start: int, n: int) -> list[int]:
+        """The rows of a chunk [start, start + n) whose logits predict prompt tokens not yet scored: row i
+        (position start + i) predicts token start + i + 1. After a preemption the recomputed rows are
+        already scored and are skipped; the last prompt row predicts the first output token, not a prompt one."""
+        done = len(req.prompt_logprobs)  # entries so far; the first is None (Request.__post_init__)
+        first, end = max(start, done - 1), min(start + n, len(req.prompt_token_ids) - 1)
+        return [p - start for p in range(first, end)]
+
+    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor) -> None:
+        k = len(req.prompt_logprobs)
+        targets = req.prompt_token_ids[k:k + rows.shape[0]]
+        req.prompt_logprobs.extend(token_logprobs(rows, targets, req.params.prompt_logprobs))
+
+    @staticmethod
+    def _record_logprobs(req: Request, rows: torch.Tensor, path: list[int], num_emitted: int) -> None:
+        """The emitted tokens' log-probabilities from the rows that verified them: the first token was
+        predicted by the root's row (0), each later one by the row of the accepted node before it. These
+        are the rows plain decoding would have computed, so the numbers are the same with or without a draft."""
+        if num_emitted <= 0:
+            return
+        row_ids = [0] + [j + 1 for j in path[:num_emitted - 1]]
+        tokens = req.output_token_ids[len(req.output_token_ids) - num_emitted:]
+        if req.logprobs is None:
+            req.logprobs = []
+        req.logprobs.extend(token_logprobs(rows[row_ids], tokens, req.params.logprobs))
 
     @staticmethod
     def _verify(req: Request, tree: DraftTree, rows: torch.Tensor) -> VerifyResult:
@@ -124,4 +169,18 @@ class StepExecutor:
         if req.finish_time is not None:
             metrics["latency_s"] = round(req.finish_time - req.arrival_time, 6)
         return RequestOutput(req.request_id, None, req.prompt_token_ids, text, list(req.output_token_ids),
-                             list(req.output_origins), req.is_finished, req.finish_reason, metrics)
+                             list(req.output_origins), req.is_finished, req.finish_reason, metrics,
+                             None if req.logprobs is None else list(req.logprobs),
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """Row i's log-softmax at tokens[i], with the row's `top_n` most likely tokens, most likely first."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if top_n:
+        top = torch.topk(lp, top_n, dim=-1)
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_lps = [[] for _ in tokens]
+    return [TokenLogprob(t, p, list(zip(ids, lps))) for t, p, ids, lps in zip(tokens, picked, top_ids, top_lps)]

@@ -18,6 +18,7 @@ import torch
 
 from specfleet.engine.detokenize import IncrementalText
 from specfleet.errors import InvalidRequestError
+from specfleet.outputs import TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
@@ -75,7 +76,14 @@ class Request:
     speculate: bool = True  # False once a proposer failed on it: plain decoding from then on
     detokenized: IncrementalText | None = None  # the output's text so far (the StopChecker's)
     stats: SpecStats = field(default_factory=SpecStats)
+    # filled only when params.logprobs / params.prompt_logprobs ask for them (engine/executor.py)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,8 @@
-"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health and /metrics.
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus /health, /metrics and vLLM's
+/tokenize and /detokenize.
 
-A request goes: size-limited body -> JSON + strict schema -> model and unsupported-field checks ->
+A request goes: size-limited body -> JSON + strict schema -> model check -> field policy (unknown
+fields counted, near misses and unsupported values refused; server/schemas.py) ->
 tokenize (on one tokenizer thread, so a megabyte prompt never stalls the event loop) -> context
 checks -> admission (429 when the queue is full) -> stream or collect outputs. Every failure before
 the response starts is an OpenAI error body with a 4xx/5xx status; a failure after a stream started
@@ -18,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -27,14 +30,19 @@ from specfleet.engine.async_engine import AsyncEngine, RequestStream
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
 from specfleet.server import serving
+from specfleet.server.auth import ApiKeyMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
-from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from specfleet.server.chat import ChatRenderer
+from specfleet.server.choices import ChatShape, Choice, CompletionShape
+from specfleet.server.schemas import (DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
+                                      describe_validation_error)
 from specfleet.server.shutdown import Drain
 
 T = TypeVar("T")
-M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
+M = TypeVar("M", CompletionRequest, ChatCompletionRequest, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,9 @@ class ServerConfig:
     max_queue: int = 256
     max_body_bytes: int = 2 << 20
     shutdown_timeout_s: float = 30.0
+    api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none: no CORS headers
+    chat_template: str | None = None  # a Jinja chat template replacing the model's own (--chat-template)
 
 
 class ClientGone(Exception):
@@ -55,6 +66,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
+    specials = serving.special_tokens(llm.tokenizer)
+    chat = ChatRenderer(llm, config.chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,21 +82,32 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app.state.max_body_bytes = config.max_body_bytes
     app.state.engine = engine
     app.state.drain = drain  # `specfleet serve` starts it when uvicorn begins its shutdown
+    # the last added runs first: CORS answers preflights (which carry no credentials) and labels every
+    # response, even a 401; then the key is checked before the body is read; then the body's size
     app.add_middleware(MaxBodySizeMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     install_error_handlers(app)
 
-    async def tokenize(fn: Callable[[], list[int]]) -> list[int]:
+    async def tokenize(fn: Callable[[], T]) -> T:
         try:
             return await drain.race(asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn))
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
 
-    async def parse(request: Request, schema: type[M]) -> M:
+    async def read_json(request: Request) -> bytes:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise APIError(415, f"the body must be JSON sent with Content-Type: application/json, "
                                 f"got {ctype or 'no content type'!r}", code="unsupported_media_type")
-        body = await request.body()
+        return await request.body()
+
+    async def parse(request: Request, schema: type[M], endpoint: str, body: bytes | None = None) -> M:
+        if body is None:
+            body = await read_json(request)
         try:
             req = schema.model_validate_json(body)
         except ValidationError as e:
@@ -92,6 +116,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if req.model is not None and req.model != config.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
+        for field in req.check_fields():
+            metrics.observe_unknown_field(endpoint, field)
         req.check_supported()
         return req
 
@@ -110,87 +136,170 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         metrics.observe_rejected(endpoint, err.status)
         return err.response()
 
-    def start(prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-              kind: str) -> tuple[serving.Prepared, RequestStream]:
-        serving.check_prompt(prompt_ids, vocab, max_len)
-        params = serving.sampling_params(req, max_tokens, len(prompt_ids), max_len)
-        prepared = serving.Prepared(serving.new_request_id(kind), prompt_ids, params, serving.now())
-        return prepared, engine.generate(prompt_ids, params, prepared.request_id)
+    async def start(prompts: list[list[int]], req: CompletionRequest | ChatCompletionRequest,
+                    max_tokens: int | None, kind: str, default_max_tokens: int | None = None,
+                    prompt_texts: list[str | None] | None = None) -> tuple[str, list[Choice]]:
+        """Admit every choice of a request: `n` samples of each prompt, each its own engine request
+        (choice i * n + j is sample j of prompt i). All are checked before any starts; if one cannot
+        start, the ones already started are aborted."""
+        total = len(prompts) * req.n
+        if total > config.max_queue:
+            raise APIError(400, f"this request asks for {total} choices ({len(prompts)} prompt(s) x n={req.n}); "
+                                f"at most {config.max_queue} fit the queue", param="n")
+        plans = []
+        for i, ids in enumerate(prompts):
+            serving.check_prompt(ids, vocab, max_len)
+            for j in range(req.n):
+                plans.append((i, ids, serving.sampling_params(req, max_tokens, len(ids), max_len, specials,
+                                                              default_max_tokens, sample=j)))
+        response_id = serving.new_request_id(kind)
+        choices: list[Choice] = []
+        try:
+            for k, (i, ids, params) in enumerate(plans):
+                rid = response_id if total == 1 else f"{response_id}-{k}"
+                choices.append(Choice(k, ids, params, engine.generate(ids, params, rid),
+                                      prompt_texts[i] if prompt_texts else None))
+        except BaseException:
+            for c in choices:
+                await c.stream.aclose()
+            raise
+        return response_id, choices
+
+    def prompt_text(prompt: str | list[int], ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return llm.tokenizer.decode(ids) if llm.tokenizer is not None else ""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         async def handle() -> Response:
-            req = await parse(request, CompletionRequest)
-            prompt = req.single_prompt()
-            ids = await tokenize(lambda: llm.encode(prompt))
-            p, stream = start(ids, req, req.max_tokens, "cmpl")
+            req = await parse(request, CompletionRequest, "completions")
+            prompts = req.prompts()
+            ids = [await tokenize(lambda p=p: llm.encode(p)) for p in prompts]
+            texts = [await tokenize(lambda p=p, i=i: prompt_text(p, i)) for p, i in zip(prompts, ids)] \
+                if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
+            response_id, choices = await start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS, texts)
+            created = serving.now()
+            shape = CompletionShape(req, token_text)
             if req.stream:
                 end = _StreamEnd()
-                return sse(completion_events(p, req, stream, end), closing(stream, "completions", end))
-            out = await collect(request, stream, drain)
-            metrics.observe_finished("completions", out)
-            return JSONResponse(serving.completion_body(p, config.model_name, out))
+                events = stream_events("completions", response_id, created, "text_completion", req, choices,
+                                       [shape.stream_state(c) for c in choices], end)
+                return sse(events, closing(choices, "completions", end))
+            outs = await collect(request, choices, drain)
+            for out in outs:
+                metrics.observe_finished("completions", out)
+            return JSONResponse(serving.completion_body(
+                response_id, created, config.model_name, [shape.final(c, out) for c, out in zip(choices, outs)],
+                serving.usage(outs, req.n, shape.skip_tokens)))
         return await serve("completions", request, handle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async def handle() -> Response:
-            req = await parse(request, ChatCompletionRequest)
-            messages = req.template_messages()
-            ids = await tokenize(lambda: llm.apply_chat_template(messages))
-            p, stream = start(ids, req, req.requested_max_tokens(), "chatcmpl")
+            req = await parse(request, ChatCompletionRequest, "chat")
+            messages, kwargs, tool_defs = req.template_messages(), req.chat_template_kwargs, req.active_tools()
+            ids = await tokenize(lambda: chat.render(messages, kwargs, tool_defs=tool_defs))
+            parse_tools = tool_defs is not None and chat.tool_parser() is not None
+            response_id, choices = await start([ids], req, req.requested_max_tokens(), "chatcmpl")
+            created = serving.now()
+            shape = ChatShape(req, token_text, parse_tools)
             if req.stream:
                 end = _StreamEnd()
-                return sse(chat_events(p, req, stream, end), closing(stream, "chat", end))
-            out = await collect(request, stream, drain)
-            metrics.observe_finished("chat", out)
-            return JSONResponse(serving.chat_body(p, config.model_name, out))
+                events = stream_events("chat", response_id, created, "chat.completion.chunk", req, choices,
+                                       [shape.stream_state(c) for c in choices], end)
+                return sse(events, closing(choices, "chat", end))
+            outs = await collect(request, choices, drain)
+            for out in outs:
+                metrics.observe_finished("chat", out)
+            return JSONResponse(serving.chat_body(
+                response_id, created, config.model_name, [shape.final(c, out) for c, out in zip(choices, outs)],
+                serving.usage(outs, req.n)))
         return await serve("chat", request, handle)
 
-    def closing(stream: RequestStream, endpoint: str, end: _StreamEnd) -> Callable[[], Awaitable[None]]:
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's /tokenize: the token ids of a prompt, or of the prompt a chat request would get."""
+        async def handle() -> Response:
+            body = await read_json(request)
+            if _has_key(body, "messages"):
+                chat_req = await parse(request, TokenizeChatRequest, "tokenize", body)
+                messages, kwargs = chat_req.template_messages(), chat_req.chat_template_kwargs
+                tool_defs = chat_req.active_tools()
+                ids = await tokenize(lambda: chat.render(messages, kwargs, chat_req.add_generation_prompt, tool_defs))
+                want_strs = chat_req.return_token_strs
+            else:
+                req = await parse(request, TokenizeRequest, "tokenize", body)
+                ids = await tokenize(lambda: encode(req.prompt, req.add_special_tokens))
+                want_strs = req.return_token_strs
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+            if want_strs:
+                out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+            return JSONResponse(out)
+        return await serve("tokenize", request, handle)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids, special tokens included (what the model sees)."""
+        async def handle() -> Response:
+            req = await parse(request, DetokenizeRequest, "detokenize")
+            if llm.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer, so token ids cannot become text", param="tokens")
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            tokens = req.tokens
+            text = await drain.race(asyncio.get_running_loop().run_in_executor(
+                tokenizer_pool, lambda: llm.tokenizer.decode(tokens)))
+            return JSONResponse({"prompt": text})
+        return await serve("detokenize", request, handle)
+
+    def encode(prompt: str, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens or llm.tokenizer is None:
+            return llm.encode(prompt)  # the prompt /v1/completions would get (or its "no tokenizer" error)
+        return llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def closing(choices: list[Choice], endpoint: str, end: _StreamEnd) -> Callable[[], Awaitable[None]]:
         async def close() -> None:  # when a streamed response ends, however it ends
             if not end.counted:  # neither finished nor failed: the client went away mid-stream
                 metrics.observe_rejected(endpoint, 499)
-            await stream.aclose()
+            for c in choices:
+                await c.stream.aclose()
         return close
 
-    async def completion_events(p: serving.Prepared, req: CompletionRequest, stream: RequestStream,
-                                end: _StreamEnd) -> AsyncIterator[str]:
-        def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
-            return serving.completion_chunk(p, config.model_name, text, out)
-        async for event in stream_events("completions", p, req, stream, end, chunk, "text_completion"):
-            yield event
-
-    async def chat_events(p: serving.Prepared, req: ChatCompletionRequest, stream: RequestStream,
-                          end: _StreamEnd) -> AsyncIterator[str]:
-        def chunk(text: str, out: RequestOutput | None) -> dict[str, Any]:
-            return serving.chat_chunk(p, config.model_name, {"content": text}, out)
-        # OpenAI opens every chat stream with the role; it also gets the headers to the client at once
-        yield data(serving.chat_chunk(p, config.model_name, {"role": "assistant", "content": ""}, None))
-        async for event in stream_events("chat", p, req, stream, end, chunk, "chat.completion.chunk"):
-            yield event
-
-    async def stream_events(endpoint: str, p: serving.Prepared, req: CompletionRequest | ChatCompletionRequest,
-                            stream: RequestStream, end: _StreamEnd,
-                            chunk: Callable[[str, RequestOutput | None], dict[str, Any]],
-                            obj: str) -> AsyncIterator[str]:
-        deltas = serving.DeltaText(p.params.stop)
+    async def stream_events(endpoint: str, response_id: str, created: int, obj: str,
+                            req: CompletionRequest | ChatCompletionRequest, choices: list[Choice],
+                            states: list[Any], end: _StreamEnd) -> AsyncIterator[str]:
+        """The chunks of every choice, as their outputs arrive; then the usage chunk if asked; then [DONE]."""
+        def chunk(index: int, fields: dict[str, Any], out: RequestOutput | None, finish: str | None = None) -> str:
+            return data(with_usage_field(req, serving.chunk(response_id, created, config.model_name, obj, index,
+                                                            fields, out, finish)))
+        if obj == "chat.completion.chunk":
+            # OpenAI opens every chat stream with the role; it also gets the headers to the client at once
+            for c in choices:
+                yield chunk(c.index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None)
+        finals: dict[int, RequestOutput] = {}
         try:
-            while (out := await drain.race(next_output(stream))) is not None:
-                text = deltas.delta(out)
-                if text or out.finished:
-                    yield data(chunk(text, out))
+            async for k, out in merged(choices, drain):
+                for fields, final, finish in states[k].chunks(out):
+                    yield chunk(choices[k].index, fields, out if final else None, finish)
                 if out.finished:
                     metrics.observe_finished(endpoint, out)
-                    end.counted = True
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield data(serving.usage_chunk(p, config.model_name, out, obj))
+                    finals[k] = out
+            end.counted = True
+            if wants_usage(req):
+                outs = [finals[k] for k in sorted(finals)]
+                skip = states[0].skip_tokens if states else 0
+                yield data(serving.usage_chunk(response_id, created, config.model_name, obj,
+                                               serving.usage(outs, req.n, skip), outs))
         except Exception as e:  # noqa: BLE001 -- the status line is sent; report in-band, as OpenAI does
             err = api_error_from(e)
             metrics.observe_rejected(endpoint, err.status)
             end.counted = True
             yield data(err.body())
         yield "data: [DONE]\n\n"
+
+    token_text = serving.TokenText(llm.tokenizer)
 
     model_card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "specfleet",
                   "max_model_len": max_len}
@@ -218,6 +327,26 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def wants_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def with_usage_field(req: CompletionRequest | ChatCompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
+    """With include_usage, OpenAI gives every chunk a `usage` field, null on all but the usage chunk."""
+    if wants_usage(req):
+        body["usage"] = None
+    return body
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the JSON object in `body` has `key`; anything unparsable is left to the schema's error."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested arrays
+        return False
+    return isinstance(obj, dict) and key in obj
 
 
 def data(body: dict[str, Any]) -> str:
@@ -256,13 +385,40 @@ def sse(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> 
     return _ClosingStreamingResponse(events, on_close)
 
 
-async def collect(request: Request, stream: RequestStream, drain: Drain) -> RequestOutput:
-    """The final output of a non-streamed request; aborts it if the client disconnects first, or
-    raises the 503 of an aborted request if the shutdown drain ends it first."""
+async def collect(request: Request, choices: list[Choice], drain: Drain) -> list[RequestOutput]:
+    """The final outputs of a non-streamed request's choices; aborts them all if the client disconnects
+    first, or raises the 503 of an aborted request if the shutdown drain ends them first."""
     try:
-        return await until_disconnect(request, drain.race(last_output(stream)))
+        return await until_disconnect(request, drain.race(
+            asyncio.gather(*(last_output(c.stream) for c in choices))))
     finally:
-        await stream.aclose()  # a no-op when it finished; frees it even if the reader never started
+        for c in choices:  # a no-op for the finished; frees the others even if their reader never started
+            await c.stream.aclose()
+
+
+async def merged(choices: list[Choice], drain: Drain) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice number, output) from every choice's stream as they arrive, until all have finished."""
+    waiting: dict[asyncio.Future, int] = {}
+
+    def arm(k: int) -> None:
+        waiting[asyncio.ensure_future(drain.race(next_output(choices[k].stream)))] = k
+
+    for k in range(len(choices)):
+        arm(k)
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: waiting[t]):
+                k = waiting.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield k, out
+                if not out.finished:
+                    arm(k)
+    finally:
+        for task in waiting:  # cancelling a wait on a stream aborts its request (RequestStream)
+            task.cancel()
 
 
 async def last_output(stream: RequestStream) -> RequestOutput:

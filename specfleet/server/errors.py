@@ -102,7 +102,7 @@ class MaxBodySizeMiddleware:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await _drain(receive, int(declared))
-            await _send_json(send, body_too_large(self.max_bytes))
+            await send_error(send, body_too_large(self.max_bytes), close=True)
             return
         seen = 0
 
@@ -132,9 +132,12 @@ async def _drain(receive: Receive, limit: int) -> None:
             return
 
 
-async def _send_json(send: Send, error: APIError) -> None:
+async def send_error(send: Send, error: APIError, close: bool = False) -> None:
+    """Send `error` as a complete response from an ASGI middleware (no app or Request needed)."""
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -12,6 +12,7 @@ counted from each finished request's token origins.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +24,13 @@ from specfleet.outputs import RequestOutput
 from specfleet.core.stats import SpecStats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+# Unknown field names come from clients: at most this many get their own label (and log line), the
+# rest share OTHER_FIELD, so a client cannot grow the registry or the log without bound.
+MAX_UNKNOWN_FIELD_LABELS = 64
+MAX_FIELD_LABEL_CHARS = 64
+OTHER_FIELD = "_other"
+
+logger = logging.getLogger("specfleet.server")
 
 
 class ServerMetrics:
@@ -41,6 +49,10 @@ class ServerMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specfleet_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.unknown_fields = Counter("specfleet_unknown_request_fields",
+                                      "Requests that carried a field this server does not know (accepted, ignored)",
+                                      ["field"], registry=r)
+        self._unknown_seen: set[str] = set()
         r.register(_EngineCollector(engine))
 
     def observe_finished(self, endpoint: str, out: RequestOutput) -> None:
@@ -56,6 +68,19 @@ class ServerMetrics:
 
     def observe_rejected(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, f"http_{status}").inc()
+
+    def observe_unknown_field(self, endpoint: str, field: str) -> None:
+        """Count an ignored unknown field; log its name the first time it is seen, so an operator learns
+        what clients send without a log line per request."""
+        label = field[:MAX_FIELD_LABEL_CHARS]
+        if label not in self._unknown_seen:
+            if len(self._unknown_seen) >= MAX_UNKNOWN_FIELD_LABELS:
+                label = OTHER_FIELD
+            else:
+                self._unknown_seen.add(label)
+                logger.warning("ignoring unknown request field %r (first seen on %s; counted in "
+                               "specfleet_unknown_request_fields_total)", label, endpoint)
+        self.unknown_fields.labels(label).inc()
 
 
 class _EngineCollector(Collector):

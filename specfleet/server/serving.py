@@ -10,24 +10,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
-from specfleet.outputs import RequestOutput
+from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.server.errors import APIError
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What the engine needs for one request, plus the ids the response repeats."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    created: int
 
 
 def new_request_id(kind: str) -> str:
@@ -42,20 +32,69 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Text -> id of the tokens that decoding drops (skip_special_tokens=True): the engine matches stop
+    strings against the decoded text, so these can only stop a request as token ids."""
+    if tokenizer is None:
+        return {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {tok.content: i for i, tok in decoder.items() if getattr(tok, "special", False)}
+    for text in getattr(tokenizer, "all_special_tokens", []):
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id >= 0:
+            found.setdefault(text, token_id)
+    return found
+
+
+def split_stops(stops: list[str], specials: Mapping[str, int]) -> tuple[list[str], list[int]]:
+    """(stop strings, stop token ids): a stop string that is a special token (`<|im_end|>`) becomes its
+    token id, since it never appears in the decoded text; one that merely contains a special token
+    could never match, so it is a 400 rather than a stop that silently never fires."""
+    strings, ids = [], []
+    for s in stops:
+        if s in specials:
+            ids.append(specials[s])
+            continue
+        inside = next((t for t in specials if t in s), None)
+        if inside is not None:
+            raise APIError(400, f"the stop string {s!r} contains the special token {inside!r}, which never appears "
+                                f"in the generated text; give {inside!r} as a stop string of its own", param="stop")
+        strings.append(s)
+    return strings, ids
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; max_tokens defaults to the rest of the context."""
+                    num_prompt_tokens: int, max_model_len: int,
+                    specials: Mapping[str, int] | None = None, default_max_tokens: int | None = None,
+                    sample: int = 0) -> SamplingParams:
+    """OpenAI fields -> SamplingParams. Without max_tokens: `default_max_tokens`, or less where the
+    context has less room (the client did not ask for that number, so it is no reason for a 400);
+    None: the rest of the context. `sample` numbers the n samples of one prompt: sample j of a seeded
+    request is seeded with seed + j (so sample 0 is what n=1 gives). max_tokens=0 (echo only) runs one
+    token, which the response leaves out."""
     room = max_model_len - num_prompt_tokens
-    if max_tokens is None:
-        max_tokens = room
+    if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
+        max_tokens = 1
+    elif max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {num_prompt_tokens} tokens and "
                             f"the context holds {max_model_len}, so at most {room} tokens can be generated; "
                             f"lower max_tokens or shorten the prompt", param="max_tokens",
                        code="context_length_exceeded")
     # SamplingParams validates ranges itself and raises InvalidRequestError (-> 400)
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                          max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos)
+    stop, special_ids = split_stops(req.stop_list(), specials or {})
+    # sample 0 keeps the seed as given, so an invalid one is still refused (by SamplingParams)
+    seed = req.seed if req.seed is None or sample == 0 else (req.seed + sample) % 2**63
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        prompt_logprobs = (req.logprobs or 0) if req.echo and req.logprobs is not None else None
+    else:
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
+                          max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class DeltaText:
@@ -66,10 +105,14 @@ class DeltaText:
         self.sent = ""
 
     def delta(self, out: RequestOutput) -> str:
-        text = out.text
-        if not out.finished:
+        return self.delta_of(out.text, out.finished)
+
+    def delta_of(self, text: str, final: bool, hold: int = 0) -> str:
+        """The new part of cumulative `text` that is safe to send; `hold` more trailing characters are
+        kept back (a possible start of a tool call)."""
+        if not final:
             text = text.rstrip("\ufffd")
-            text = text[:len(text) - self._stop_prefix_len(text)]
+            text = text[:len(text) - max(hold, self._stop_prefix_len(text))]
         if len(text) <= len(self.sent):
             return ""
         new = text[len(self.sent):]
@@ -79,16 +122,21 @@ class DeltaText:
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         best = 0
+        last = text[-1:]
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
+                if s[k - 1] == last and text.endswith(s[:k]):  # the first test spares most slices
                     best = k
                     break
         return best
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, int]:
+    """Usage of a response whose choices are `n` samples of each prompt in turn: each prompt counted once
+    (its samples share it, as at OpenAI), every choice's tokens (less the `skip_tokens` of an echo with
+    max_tokens=0)."""
+    n_prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
+    n_out = sum(max(0, len(out.token_ids) - skip_tokens) for out in outs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
@@ -100,46 +148,145 @@ def spec_block(out: RequestOutput) -> dict[str, Any]:
             "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {})}
 
 
-def completion_body(p: Prepared, model: str, out: RequestOutput) -> dict[str, Any]:
-    return {"id": p.request_id, "object": "text_completion", "created": p.created, "model": model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
-            "usage": usage(out), "spec": spec_block(out)}
+# -- log-probabilities ------------------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; as vLLM
 
 
-def completion_chunk(p: Prepared, model: str, text: str, out: RequestOutput | None) -> dict[str, Any]:
-    """One streamed completion chunk; the final one (out.finished) carries usage and spec."""
-    is_final = out is not None and out.finished
-    body: dict[str, Any] = {
-        "id": p.request_id, "object": "text_completion", "created": p.created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
-                     "finish_reason": out.finish_reason if is_final else None}]}
-    if is_final:
-        body["usage"], body["spec"] = usage(out), spec_block(out)
+def _lp(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+class TokenText:
+    """Token ids -> the strings (and bytes) logprobs objects show, cached per id. Without a tokenizer
+    a token shows as `token_id:N` (vLLM's form)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._byte_decoder = _byte_decoder(tokenizer)
+
+    def text(self, token_id: int) -> str:
+        t = self._text.get(token_id)
+        if t is None:
+            t = f"token_id:{token_id}" if self.tokenizer is None else \
+                self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._text[token_id] = t
+        return t
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: exact for byte-level BPE vocabularies (a piece of a UTF-8 character
+        included), else the UTF-8 of its text."""
+        if self._byte_decoder is not None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in self._byte_decoder for c in piece):
+                return [self._byte_decoder[c] for c in piece]
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def _byte_decoder(tokenizer: Any) -> dict[str, int] | None:
+    """GPT-2's byte <-> unicode table, when the vocabulary is byte-level (its pieces spell bytes as
+    characters such as `Ġ`)."""
+    if tokenizer is None:
+        return None
+    try:
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    except ImportError:
+        return None
+    table = {c: b for b, c in bytes_to_unicode().items()}
+    probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a", add_special_tokens=False))
+    return table if any(isinstance(p, str) and p.startswith("\u0120") for p in probe) else None
+
+
+def completion_logprobs(texts: TokenText, entries: list[TokenLogprob | None], token_ids: list[int],
+                        offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs object for these tokens (what lm-evaluation-harness reads):
+    per token its text, its log-probability (null for a prompt's first token), the most likely tokens
+    with theirs (the token itself included, as vLLM does), and where its text starts in the choice's
+    text (cumulative lengths of the tokens' texts, from `offset`)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, e in zip(token_ids, entries):
+        t = texts.text(tid)
+        tokens.append(t)
+        offsets.append(offset)
+        offset += len(t)
+        if e is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(_lp(e.logprob))
+            top = {texts.text(a): _lp(lp) for a, lp in e.top}
+            top.setdefault(t, _lp(e.logprob))
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(texts: TokenText, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat logprobs object: per token its text, bytes, log-probability and top_logprobs alternatives."""
+    def item(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": texts.text(tid), "logprob": _lp(lp), "bytes": texts.bytes(tid)}
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(a, lp) for a, lp in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+# -- response bodies --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChoiceOut:
+    """One choice of a response, shaped: what its JSON carries beside index and finish_reason."""
+
+    index: int
+    out: RequestOutput
+    fields: dict[str, Any]
+    finish_reason: str | None
+
+
+def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceOut],
+                    usage_: dict[str, int]) -> dict[str, Any]:
+    body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": c.index, **c.fields, "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage_}
+    return _with_spec(body, choices)
+
+
+def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceOut],
+              usage_: dict[str, int]) -> dict[str, Any]:
+    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": c.index, **c.fields, "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage_}
+    return _with_spec(body, choices)
+
+
+def _with_spec(body: dict[str, Any], choices: list[ChoiceOut]) -> dict[str, Any]:
+    """One choice: its speculation statistics as `spec`; several: each choice carries its own."""
+    if len(choices) == 1:
+        body["spec"] = spec_block(choices[0].out)
+    else:
+        for c, item in zip(choices, body["choices"]):
+            item["spec"] = spec_block(c.out)
     return body
 
 
-def chat_body(p: Prepared, model: str, out: RequestOutput) -> dict[str, Any]:
-    return {"id": p.request_id, "object": "chat.completion", "created": p.created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": None, "finish_reason": out.finish_reason}],
-            "usage": usage(out), "spec": spec_block(out)}
-
-
-def chat_chunk(p: Prepared, model: str, delta: dict[str, str], out: RequestOutput | None) -> dict[str, Any]:
+def chunk(response_id: str, created: int, model: str, obj: str, index: int, fields: dict[str, Any],
+          out: RequestOutput | None, finish_reason: str | None = None) -> dict[str, Any]:
+    """One streamed chunk of one choice; its final one (out.finished) carries finish_reason and spec.
+    Usage comes only in the separate chunk that `stream_options.include_usage` asks for (usage_chunk)."""
     is_final = out is not None and out.finished
     body: dict[str, Any] = {
-        "id": p.request_id, "object": "chat.completion.chunk", "created": p.created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                     "finish_reason": out.finish_reason if is_final else None}]}
+        "id": response_id, "object": obj, "created": created, "model": model,
+        "choices": [{"index": index, **fields,
+                     "finish_reason": (finish_reason or out.finish_reason) if is_final else None}]}
     if is_final:
-        body["usage"], body["spec"] = usage(out), spec_block(out)
+        body["spec"] = spec_block(out)
     return body
 
 
-def usage_chunk(p: Prepared, model: str, out: RequestOutput, obj: str) -> dict[str, Any]:
+def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_: dict[str, int],
+                outs: list[RequestOutput]) -> dict[str, Any]:
     """The extra last chunk that `stream_options.include_usage` asks for: no choices, only usage."""
-    return {"id": p.request_id, "object": obj, "created": p.created, "model": model, "choices": [],
-            "usage": usage(out), "spec": spec_block(out)}
+    body = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+    if len(outs) == 1:
+        body["spec"] = spec_block(outs[0])
+    return body
 
 
 def now() -> int:
