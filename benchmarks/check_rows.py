@@ -11,7 +11,8 @@ preemption (a KV cache too small for the batch, so requests are recomputed):
     b3        3 requests at once
     b8        8 requests at once
     chunk     3 at once, max_num_batched_tokens=48 (prompts prefilled in chunks beside verification)
-    preempt   8 at once in a KV cache of about 2.5 requests' worth (preemption and recompute)
+    preempt   8 at once in a KV cache that holds the longest request and a draft tree, 4-token blocks (requests outgrow
+              it every few tokens: preemption, recompute, scattered block tables)
 
     python benchmarks/check_rows.py --model qwen-1.5b --drafts suffix prompt-lookup ngram \
         "fleet(suffix,prompt-lookup)" qwen-0.5b "qwen-0.5b[width=2,nodes=16]" --prompts 8 --tokens 64
@@ -32,7 +33,7 @@ CONFIGS = {
     "b3": dict(batch=3),
     "b8": dict(batch=8),
     "chunk": dict(batch=3, max_num_batched_tokens=48),
-    "preempt": dict(batch=8, kv_requests=2.5),
+    "preempt": dict(batch=8, kv_requests=1.0, block_size=4),
 }
 
 
@@ -60,13 +61,13 @@ def make_engine(model, tokenizer, draft: str | None, cfg: dict, max_tokens: int,
     from specfleet.runtime.kv_cache import bytes_per_token
     from specfleet.strategies.factory import SpecConfig, build_proposer
 
-    per_request = bytes_per_token(model.config, torch.float32) * (longest + max_tokens + 64)
+    per_request = bytes_per_token(model.config, torch.float32) * (longest + max_tokens + 64)  # a draft tree's room too
     kv_bytes = int(per_request * cfg.get("kv_requests", cfg["batch"] + 1))
     proposer = build_proposer(draft, SpecConfig(), model.config.vocab_size, torch.float32, torch.device("cpu"),
                               quantization="auto", target_tokenizer=tokenizer)
     sched = SchedulerConfig(max_num_seqs=cfg["batch"], max_num_batched_tokens=cfg.get("max_num_batched_tokens", 512),
                             mixed_step_factor=None)
-    return Engine(model, tokenizer, EngineConfig(CacheConfig(16, kv_bytes), sched), proposer)
+    return Engine(model, tokenizer, EngineConfig(CacheConfig(cfg.get("block_size", 16), kv_bytes), sched), proposer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts, {args.tokens} tokens each; configs {args.configs}", flush=True)
 
     def run(draft: str | None) -> tuple[dict[str, list[int]], RowReport, dict]:
-        outs, report, stats = {}, RowReport(), {"drafted": 0, "accepted": 0, "steps": 0}
+        outs, report, stats = {}, RowReport(), {"drafted": 0, "accepted": 0, "steps": 0, "preemptions": 0}
         for ci, name in enumerate(args.configs):
             cfg = CONFIGS[name]
             mine = prompts[ci::len(args.configs)]
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 group = mine[i:i + cfg["batch"]]
                 results, rep = check_engine_run(engine, [p for _, p in group], params, args.reference)
                 report.merge(rep)
+                stats["preemptions"] += sum(o.metrics.get("num_preemptions", 0) for o in results)
                 outs.update({pid: o.token_ids for (pid, _), o in zip(group, results)})
             s = engine.stats
             stats["drafted"] += s.num_drafted
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                      "17+ rows": sum(v for k, v in report.routes.items() if "rows=17+" in k and "/node/" in k),
                      "batch 2+": sum(v for k, v in report.routes.items() if "batch=2+" in k),
                      "accepted/drafted": f"{stats.get('accepted', 0)}/{stats.get('drafted', 0)}",
+                     "preemptions": stats.get("preemptions", 0),
                      "outputs = plain": f"{equal}/{len(plain)}"})
     body = (f"Target `{args.model}`, {len(prompts)} prompts ({', '.join(args.datasets)}, {args.prompts} each), "
             f"{args.tokens} greedy tokens, configs {', '.join(args.configs)} (prompts dealt round-robin), "
