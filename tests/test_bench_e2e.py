@@ -60,7 +60,7 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
     out = tmp_path / "out"
     rc = bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--num-prompts", "3",
                      "--batch-sizes", "1,2", "--max-tokens", "6", "--dtype", "float32", "--ignore-eos",
-                     "--no-progress", "--out", str(out), "--systems", "ar", f"specfleet:{draft},k=3",
+                     "--no-progress", "--out", str(out), "--rowcheck-prompts", "2", "--systems", "ar", f"specfleet:{draft},k=3",
                      "specfleet:prompt-lookup", "hf", f"hf-assisted:{draft},k=3"])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
@@ -77,6 +77,12 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
     # fp32 greedy: speculation is lossless and transformers computes the same argmaxes
     for system in (spec, "specfleet:prompt-lookup", "hf", assisted):
         assert rows[(system, 1)]["baseline_match_rate"] == 1.0, system
+    # the per-row check ran beside the timings for every specfleet system (what it found on this dense fp32
+    # model is reported, not asserted: BLAS products are not batch invariant; tests/test_rowcheck.py holds
+    # the native path to zero)
+    for system in ("ar", spec, "specfleet:prompt-lookup"):
+        assert rows[(system, 1)]["rows_checked"] > 0, system
+    assert "rows != decode" in (out / "report.md").read_text()
     assert rows[("ar", 1)]["speedup_throughput"] == 1.0
     assert rows[("ar", 1)]["mean_accepted_length"] == 1.0
     assert rows[(spec, 1)]["drafted"] > 0 and 1.0 <= rows[(spec, 1)]["mean_accepted_length"] <= 4.0

@@ -227,11 +227,10 @@ def test_greedy_equals_plain(pair, kind, width, batch):
     spec = run_to_completion(eng, prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     print(f"{kind} width {width} batch {batch}: {eng.stats.as_dict()}")
-    assert eng.stats.num_drafted > 0 and eng.stats.num_accepted > 0
-    if kind == "copy":  # the target itself, read through shuffled ids: most drafts are right
+    if kind == "copy":  # the target itself, read through shuffled ids: it can be right every time
         assert eng.stats.acceptance_rate > 0.5
     else:  # fewer merges: the draft reads other pieces than the target wrote, and is sometimes wrong
-        assert eng.stats.num_accepted < eng.stats.num_drafted
+        assert 0 < eng.stats.num_accepted < eng.stats.num_drafted
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
@@ -247,7 +246,7 @@ def test_greedy_equals_plain_composed(pair, spec):
     assert leaf is not None, "the factory did not detect the other vocabulary"
     eng = make_engine(target, proposer)
     assert [o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] == [o.token_ids for o in plain]
-    assert eng.stats.num_drafted > 0
+    assert 0 < eng.stats.num_accepted < eng.stats.num_drafted
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert leaf.blocks.num_free_blocks == leaf.blocks.num_blocks
 

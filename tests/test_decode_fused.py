@@ -244,7 +244,7 @@ def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draf
         engine = make_engine(native_tiny, proposer)
         spec = [o.token_ids for o in run_to_completion(engine, prompts, greedy)]
         assert spec == plain, text
-        assert engine.stats.num_drafted > 0
+        assert 0 < engine.stats.num_accepted < engine.stats.num_drafted
 
 
 def test_prompt_chunks_give_the_same_cache_however_they_are_split(native_tiny):

@@ -185,7 +185,7 @@ def test_distill_trains_resumes_and_saves_a_lossless_draft(target_dir, prompts_f
     engine = make_engine(target, DraftModelProposer(draft, "distilled", DraftModelConfig(4, kv_cache_bytes=64 << 10)))
     spec = run_to_completion(engine, prompts, greedy)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert engine.stats.num_accepted > 0
+    assert 0 < engine.stats.num_accepted < engine.stats.num_drafted
     llm = LLM(str(target_dir), draft=str(out), dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in plain]
 

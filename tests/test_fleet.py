@@ -309,7 +309,10 @@ def test_fleet_greedy_equals_plain_and_frees_everything(models, kind, batch):
     proposer = build_strategy(SPECS[kind], drafts)
     eng = make_engine(target, proposer)
     assert [o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] == plain
-    assert eng.stats.num_drafted > 0 and eng.stats.num_accepted > 0
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
+    assert batch == 1 or eng.stats.num_accepted < eng.stats.num_drafted
     assert_all_free(eng, proposer)
     fleet = proposer if kind != "adaptive" else proposer.inner
     assert sum(fleet.chosen.values()) == fleet.num_request_steps > 0

@@ -554,7 +554,7 @@ def test_cross_vocab_gemma_draft_reads_the_text_after_its_bos():
     plain = run_to_completion(make_engine(target), prompts, GREEDY)
     eng = make_engine(target, proposer)
     assert [o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] == [o.token_ids for o in plain]
-    assert eng.stats.num_drafted > 0
+    assert eng.stats.num_drafted > 0  # (this random draft is never right: the test is about its cache)
     assert all(t == bos for c, t in fed if c == 0) and any(c == 0 for c, _ in fed)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert inner.blocks.num_free_blocks == inner.blocks.num_blocks and not proposer._states
@@ -673,6 +673,6 @@ def test_real_gemma_drafts_for_qwen_losslessly():
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = llm.engine.stats
     print(f"gemma-3-270m drafting for {target}: {stats.as_dict()}")
-    assert stats.num_drafted > 0 and stats.num_accepted > 0
+    assert 0 < stats.num_accepted < stats.num_drafted
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks and not proposer._states

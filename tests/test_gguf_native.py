@@ -84,7 +84,7 @@ def test_draft_model_speculation_is_lossless_on_native_weights(models, plain, ba
     engine = make_engine(target, proposer)
     out = run_to_completion(engine, repetitive_prompts(LENGTHS[batch]), GREEDY)
     assert [o.token_ids for o in out] == plain[batch]
-    assert engine.stats.num_accepted > 0
+    assert 0 < engine.stats.num_accepted < engine.stats.num_drafted
     assert_all_free(engine, proposer)
 
 
@@ -107,7 +107,10 @@ def test_every_proposer_is_lossless_on_native_weights(models, plain, kind, batch
     engine = make_engine(target, proposer)
     out = run_to_completion(engine, repetitive_prompts(LENGTHS[batch]), GREEDY)
     assert [o.token_ids for o in out] == plain[batch]
-    assert engine.stats.num_drafted > 0
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < engine.stats.num_accepted <= engine.stats.num_drafted
+    assert batch == 1 or engine.stats.num_accepted < engine.stats.num_drafted
     assert_all_free(engine, proposer)
 
 

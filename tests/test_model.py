@@ -101,4 +101,6 @@ def test_bf16_forward_is_close_to_fp32():
         blocks.allocate("a", len(ids))
         outs.append(runner.execute([ForwardItem("a", ids, 0, list(range(len(ids))))], blocks))
     assert outs[1].dtype == torch.float32  # logits always come back in fp32
-    assert (outs[0] - outs[1]).abs().max() < 0.1
+    # bf16 rounding moves these logits (scale ~1.3) by ~0.003; deleting the last layer's MLP moves them by ~0.06,
+    # so the bound sits between the two (0.1 passed with the MLP deleted)
+    assert (outs[0] - outs[1]).abs().max() < 0.012

@@ -73,7 +73,10 @@ def test_pipelined_greedy_equals_plain_greedy(target, draft, plain_outputs, kind
                          pipeline=PipelineConfig(num_micro_batches=2)) as eng:
         out = run_to_completion(eng, prompts_for(batch), GREEDY)
     assert [o.token_ids for o in out] == plain_outputs[batch]
-    assert eng.stats.num_drafted > 0
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
+    assert batch == 1 or eng.stats.num_accepted < eng.stats.num_drafted
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert_drafter_caches_empty([drafter])
 

@@ -56,7 +56,10 @@ def test_remote_drafts_keep_greedy_output(target, workers, batch):
                          pipeline=PipelineConfig(num_micro_batches=2)) as eng:
         out = run_to_completion(eng, prompts, GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
-    assert eng.stats.num_accepted > 0
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
+    assert batch == 1 or eng.stats.num_accepted < eng.stats.num_drafted
     assert all(o.token_origins.count("remote-draft") for o in out if len(o.token_ids) > 8)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert_worker_caches_empty(workers)

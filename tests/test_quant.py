@@ -87,7 +87,7 @@ def test_speculation_is_lossless_against_the_quantized_target(qtarget, batch, sh
     engine = make_engine(q, DraftModelProposer(draft, "draft", cfg))
     spec = run_to_completion(engine, prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert engine.stats.num_accepted > 0
+    assert 0 < engine.stats.num_accepted < engine.stats.num_drafted
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 

@@ -82,4 +82,4 @@ def test_speculative_greedy_with_derived_draft_equals_plain(models, shape):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.text for o in spec] == [o.text for o in plain]
     if shape != "lookup":
-        assert eng.stats.num_accepted > 0
+        assert 0 < eng.stats.num_accepted < eng.stats.num_drafted

@@ -61,10 +61,11 @@ def test_speculative_greedy_equals_plain_greedy(target, draft, kind, batch):
     eng = make_engine(target, proposer)
     spec = run_to_completion(eng, prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    stats = eng.stats
-    assert stats.num_drafted > 0
-    if kind.startswith("draft"):  # a partly agreeing draft: some but not all tokens accepted
-        assert 0 < stats.num_accepted < stats.num_drafted
+    stats = eng.stats  # every draft here agrees only partly: some but not all tokens accepted
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < stats.num_accepted <= stats.num_drafted
+    assert batch == 1 or stats.num_accepted < stats.num_drafted
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     if hasattr(proposer, "blocks"):
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
@@ -128,7 +129,7 @@ def test_stop_token_inside_an_accepted_run_ends_at_that_token(target):
         eng = make_engine(target, proposer)
         out = run_to_completion(eng, [prompt], params)[0]
         assert out.token_ids == want
-        assert eng.stats.num_accepted > 0
+        assert 0 < eng.stats.num_accepted < eng.stats.num_drafted
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 

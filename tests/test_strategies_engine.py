@@ -57,7 +57,10 @@ def test_strategy_greedy_equals_plain_and_frees_everything(models, plain, kind, 
     eng = make_engine(target, proposer)
     out = run_to_completion(eng, repetitive_prompts(LENGTHS[batch]), GREEDY)
     assert [o.token_ids for o in out] == plain[batch]
-    assert eng.stats.num_drafted > 0 and eng.stats.num_accepted > 0
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
+    assert batch == 1 or eng.stats.num_accepted < eng.stats.num_drafted
     assert_all_free(eng, proposer)
 
 

@@ -67,6 +67,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="system that speed-ups are measured against (default: specfleet:none)")
     p.add_argument("--rounds", type=int, help="run the systems this many times, alternating their order, and "
                                               "pool the rounds (cancels drift of a shared machine; default 1)")
+    p.add_argument("--rowcheck-prompts", type=int, help="after the timed waves, replay every row of this many "
+                   "prompts per specfleet system as plain decode steps and report rows that differ (untimed)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>-<device>-<stamp>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -85,7 +87,7 @@ def _presets_help(presets) -> str:
 
 _OVERRIDES = ("model", "dataset", "num_prompts", "shuffle_seed", "max_prompt_tokens", "chat", "batch_sizes",
               "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "dtype", "device", "spec_len",
-              "kv_cache_mb", "baseline", "quantization", "rounds")
+              "kv_cache_mb", "baseline", "quantization", "rounds", "rowcheck_prompts")
 
 
 def build_preset(args):

@@ -43,6 +43,9 @@ class RunConfig:
     # measure each system's prefill tok/s at 128/512 tokens, c(k) for k=1..8 and resident memory after its
     # warm-up (bench/gguf_micro.py), once per round
     micro: bool = False
+    # after its timed waves, replay every row of this many prompts per specfleet system (untimed) as plain
+    # decode steps (bench/rowcheck.py), so a figure never comes from a run whose rows broke losslessness
+    rowcheck_prompts: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ _GGUF_SYSTEMS = ("specfleet:none", "specfleet:none,quantization=none", "llamacpp
 def _gguf_part(name: str, model: str, dataset: str) -> RunConfig:
     return RunConfig(name=name, model=model, systems=_GGUF_SYSTEMS, dataset=dataset, num_prompts=4,
                      shuffle_seed=0 if dataset == "sharegpt" else None, max_prompt_tokens=160, max_tokens=32,
-                     batch_sizes=(1,), ignore_eos=True, quantization="gguf", micro=dataset == "humaneval")
+                     batch_sizes=(1,), ignore_eos=True, quantization="gguf", micro=dataset == "humaneval",
+                     rowcheck_prompts=2)
 
 
 def _gguf_checks(part: str, size: str, target: float) -> tuple[Check, ...]:
@@ -149,7 +153,7 @@ def _fleet_part(name: str, dataset: str, temperature: float) -> RunConfig:
     return RunConfig(name=name, systems=_FLEET_SYSTEMS + (("llamacpp",) if greedy else ()), dataset=dataset,
                      num_prompts=10, shuffle_seed=0 if dataset == "sharegpt" else None, max_prompt_tokens=512,
                      max_tokens=96, temperature=temperature, top_p=1.0 if greedy else 0.9,
-                     batch_sizes=(1,), quantization="gguf", rounds=2)
+                     batch_sizes=(1,), quantization="gguf", rounds=2, rowcheck_prompts=2)
 
 
 # issue 16: drafts from other model families (through text) beside the same-vocabulary ones, and SPIN's

@@ -12,6 +12,7 @@ COLUMNS = [
     ("ttft_ms_mean", "TTFT ms"), ("acceptance_rate", "accept rate"), ("mean_accepted_length", "mean acc. len"),
     ("draft_time_share", "draft share"), ("goodput_tok_s", "goodput tok/s"),
     ("speedup_throughput", "speed-up"), ("roofline_fraction", "of roofline"), ("baseline_match_rate", "= AR out"),
+    ("rows_checked", "rows checked"), ("rows_differing", "rows != decode"),
 ]
 
 
@@ -37,6 +38,9 @@ def render_markdown(payload: dict, plots: dict[str, list[Path]]) -> str:
             "with speculation (several tokens per weight read).",
             "- = AR out: fraction of requests whose output ids equal the baseline's (bf16 rounding can differ "
             "between batched verification and one-token decoding, so greedy outputs may legitimately diverge).",
+            "- rows checked / rows != decode: after its timed waves, every logit row of a few prompts was replayed "
+            "(untimed) as a plain one-token decode step on the same context (bench/rowcheck.py); a lossless "
+            "system has 0 rows that differ in any bit of their logits or K/V.",
             ""]
     return "\n".join(out)
 

@@ -20,7 +20,10 @@ def machine_info(device: str = "cpu") -> dict:
     info = {
         "hostname_class": platform.machine(),
         "cpu": _cpu_name(),
+        "isa": cpu_isa(),
         "cpu_count": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default)"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -35,6 +38,23 @@ def machine_info(device: str = "cpu") -> dict:
     except ImportError:
         pass
     return info
+
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "amx_tile", "asimd", "asimddp")
+
+
+def cpu_isa() -> list[str]:
+    """The instruction-set flags that decide which kernels run (from /proc/cpuinfo): every figure names them,
+    since this project's machines differ (AVX2-only Zen 3, AVX512-VNNI Zen 4) and users' CPUs more."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_name() -> str:
@@ -68,7 +88,8 @@ def run_metadata(name: str, device: str = "cpu", dtype: str = "", command: str |
 def markdown_header(meta: dict) -> str:
     m, device = meta["machine"], meta["machine"]["device"]
     return (f"# {meta['benchmark']}\n\n- command: `{meta['command']}`\n- when (UTC): {meta['timestamp_utc']}\n"
-            f"- machine: {m['cpu']}, {m['cpu_count']} cores, torch threads {m['torch_threads']}"
+            f"- machine: {m['cpu']} ({'+'.join(m.get('isa', [])) or 'ISA unknown'}), {m['cpu_count']} cores, "
+            f"torch threads {m['torch_threads']}, OMP_WAIT_POLICY {m.get('omp_wait_policy', '-')}"
             f"{', GPU ' + m['gpu'] if 'gpu' in m else ''}\n- device: {device}, dtype: {meta['dtype']}\n"
             f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
 

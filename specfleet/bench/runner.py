@@ -169,6 +169,9 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
         for b in cfg.batch_sizes:
             timed.run(system, b, prompts, prompt_ids, settings, bar)
+        if cfg.rowcheck_prompts and spec.kind == "specfleet":
+            bar.set_postfix_str(f"{spec.label}: per-row check")
+            timed.rowcheck(system, prompt_ids[:cfg.rowcheck_prompts], settings)
         state = system.strategy_state() if hasattr(system, "strategy_state") else {}
         if state:  # once per system and round, after all its waves
             system_info[spec.label].setdefault("strategy_state", []).append(state)
@@ -196,6 +199,18 @@ class _Timings:
         self.waves: list[metrics.WaveRecord] = []
         self.outputs: dict[tuple[str, int, int], list[int]] = {}  # (system, batch, prompt index) -> ids
         self.skipped: list[dict] = []
+        self.rows: dict[str, "RowReport"] = {}  # system -> its per-row check (bench/rowcheck.py), all rounds
+
+    def rowcheck(self, system, prompt_ids: list[list[int]], settings: Settings) -> None:
+        """Replay every row of `prompt_ids` on `system`'s engine as plain decode steps (untimed)."""
+        from specfleet.bench.rowcheck import RowReport, check_engine_run
+        from specfleet.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                                seed=None if settings.temperature == 0 else settings.seed,
+                                max_tokens=settings.max_tokens, ignore_eos=settings.ignore_eos)
+        _, report = check_engine_run(system.llm.engine, prompt_ids, params)
+        self.rows.setdefault(system.label, RowReport()).merge(report)
 
     def run(self, system, b: int, prompts: list, prompt_ids: list[list[int]], settings: Settings, bar) -> None:
         """Time `system` over all prompts in waves of `b`."""
@@ -241,6 +256,10 @@ class _Timings:
                 ws = [w for w in self.waves if w.system == spec.label and w.batch_size == b]
                 if rs:
                     rows.append({"system": spec.label, "batch_size": b, **metrics.summarize(rs, ws)})
+                    report = self.rows.get(spec.label)
+                    if report is not None:
+                        rows[-1].update(rows_checked=report.rows_checked, rows_differing=report.rows_differing,
+                                        rows_max_abs_diff=report.as_dict()["max_abs_logit_diff"])
         return rows
 
 

@@ -11,8 +11,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="draft spec: a model name/path (NAME@N keeps N layers), 'prompt-lookup', 'ngram', "
                         "'none', or a composition such as 'vote(qwen-0.5b,prompt-lookup)+adaptive' "
-                        "(grammar in specfleet/strategies/grammar.py); 'default' = the embedded 0.5B when the "
-                        "target is the embedded 1.5B")
+                        "(grammar in specfleet/strategies/grammar.py); 'default' = the default draft of the "
+                        "embedded 1.5B on this device (CPU: fleet(suffix,prompt-lookup); CUDA: the embedded "
+                        "0.5B), none for any other target")
     p.add_argument("--num-speculative-tokens", "--spec-len", "-k", dest="num_speculative_tokens", type=int, default=4,
                    help="draft tokens per step (chain length / tree depth); k= in a draft spec")
     p.add_argument("--tree-width", type=int, default=1, help="children per tree node; 1 = chain")
@@ -41,7 +42,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="new tokens at most (generation also stops at the model's end of turn)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

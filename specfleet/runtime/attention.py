@@ -230,7 +230,7 @@ def _attend_rowwise(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Seq
             if len(seen) == i + 1:  # every earlier new token: a prefix
                 ki, vi = k[:, :, first:c + i + 1], v[:, :, first:c + i + 1]
             else:
-                idx = torch.cat([torch.arange(c), seen + c]).to(k.device)
+                idx = torch.cat([torch.arange(c, device=seen.device), seen + c]).to(k.device)
                 if window is not None:
                     idx = idx[-window:]
                 ki, vi = k.index_select(2, idx), v.index_select(2, idx)
