@@ -4,6 +4,8 @@ exactly on native weights (on the real 1.5B, the split flash path diverged from 
 4 HumanEval prompts within 64 tokens)."""
 import torch
 
+from tiny_models import tree_mask
+
 from specfleet.runtime.attention import SeqAttention, _attend
 
 
@@ -30,12 +32,7 @@ def test_tree_rows_equal_their_decode_steps():
     c, h, kvh, d = 29, 4, 2, 8
     parents = [-1, 0, 0, 1, 2]  # a root, two children, a grandchild under each
     n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        mask[i, i] = True
-        while p >= 0:
-            mask[i, p] = True
-            p = parents[p]
+    mask = tree_mask(parents)
     k = torch.randn(c + n, kvh, d, generator=g)
     v = torch.randn(c + n, kvh, d, generator=g)
     q = torch.randn(n, h, d, generator=g)

@@ -19,6 +19,7 @@ from specfleet.runtime.step_plan import KeyPlan, native_attend  # noqa: E402
 from specfleet.runtime.qlinear import QLinear  # noqa: E402
 from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, quantize_activations  # noqa: E402
 from test_qkernels import dense64, random_blocks  # noqa: E402
+from tiny_models import tree_mask  # noqa: E402
 
 
 def lib():
@@ -115,17 +116,6 @@ def attend64(q, k, v, scale):
 
 def _one_batch(*seqs: SeqAttention) -> AttentionBatch:
     return AttentionBatch(torch.zeros(sum(s.query_len for s in seqs), dtype=torch.long), list(seqs))
-
-
-def tree_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        mask[i, i] = True
-        while p >= 0:
-            mask[i, p] = True
-            p = parents[p]
-    return mask
 
 
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 70, 300])

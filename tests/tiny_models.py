@@ -78,3 +78,15 @@ def run_to_completion(engine, prompts, params) -> list:
             if out.finished:
                 final[out.request_id] = out
     return [final[r.request_id] for r in reqs]
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool over a draft tree's nodes (parent -1: under the root): row i sees itself and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    return mask
