@@ -29,6 +29,18 @@ def real_model_path(name: str) -> Path | None:
         pytest.skip(f"{name} not installed: {e}")
 
 
+def optional_model_path(name: str) -> Path:
+    """The assembled file of a real model that CI does not install (it installs SmolLM2 only), or a
+    skip, even under SPECFLEET_REQUIRE_REAL=1."""
+    from specfleet.errors import ModelLoadError
+    from specfleet.models import registry
+
+    try:
+        return registry.resolve_model(name)
+    except ModelLoadError as e:
+        pytest.skip(f"{name} not installed (specfleet models install {name}): {e}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     from specfleet.runtime.loader import load_checkpoint

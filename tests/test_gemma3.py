@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tokenizers import processors
 
 import specfleet.runtime.attention as attention
+from conftest import optional_model_path
 from specfleet.errors import UnsupportedModelError
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.build import build_model
@@ -565,18 +566,6 @@ def test_cross_vocab_gemma_draft_reads_the_text_after_its_bos():
 # ------------------------------------------------------------------------------------------------
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
-
-
-def optional_model_path(name: str):
-    """The assembled file of a real model that CI does not install (it installs SmolLM2 only), or a
-    skip, even under SPECFLEET_REQUIRE_REAL=1."""
-    from specfleet.errors import ModelLoadError
-    from specfleet.models import registry
-
-    try:
-        return registry.resolve_model(name)
-    except ModelLoadError as e:
-        pytest.skip(f"{name} not installed (specfleet models install {name}): {e}")
 
 
 @pytest.fixture(scope="module")
