@@ -79,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--reference", choices=["single", "batched"], default="single",
-                    help="replay rows one decode step each, or a step's rows as one batched decode step")
     args = ap.parse_args(argv)
 
     from specfleet.bench.report import md_table, write_results
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = make_engine(model, tokenizer, draft, cfg, args.tokens, longest)
             for i in range(0, len(mine), cfg["batch"]):
                 group = mine[i:i + cfg["batch"]]
-                results, rep = check_engine_run(engine, [p for _, p in group], params, args.reference)
+                results, rep = check_engine_run(engine, [p for _, p in group], params)
                 report.merge(rep)
                 stats["preemptions"] += sum(o.metrics.get("num_preemptions", 0) for o in results)
                 outs.update({pid: o.token_ids for (pid, _), o in zip(group, results)})
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{equal}/{len(plain)}; accepted {stats['accepted']}/{stats['drafted']} ({time.time() - t:.0f} s)",
               flush=True)
     payload = {"model": args.model, "prompts": [pid for pid, _ in prompts], "tokens": args.tokens,
-               "configs": {c: CONFIGS[c] for c in args.configs}, "reference": args.reference, "systems": []}
+               "configs": {c: CONFIGS[c] for c in args.configs}, "systems": []}
     for name, report, stats, outs in systems:
         equal = sum(outs[pid] == plain[pid] for pid in plain)
         total_rows += report.rows_checked
@@ -146,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                      "outputs = plain": f"{equal}/{len(plain)}"})
     body = (f"Target `{args.model}`, {len(prompts)} prompts ({', '.join(args.datasets)}, {args.prompts} each), "
             f"{args.tokens} greedy tokens, configs {', '.join(args.configs)} (prompts dealt round-robin), "
-            f"reference replay: {args.reference}.\n\n"
+            f"each row replayed as a decode step of batch one.\n\n"
             + md_table(rows, list(rows[0])) +
             f"\n\nAll systems: {total_rows} rows checked, **{total_diff} differing**; outputs differing from plain "
             f"decoding: **{mismatched}**.\n\nRoutes per system (rows checked):\n\n"

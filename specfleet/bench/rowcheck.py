@@ -107,35 +107,24 @@ class _Task:
     key_slots: torch.Tensor  # [m] engine cache rows of the keys before it, in order
     own_slot: int  # engine cache row the forward wrote its K/V to
     route: str
-    shared_blocks: list[int]  # the request's full context blocks, which a batched replay reads in place
 
 
 class RowChecker:
-    """Checks every logit row of every forward of one engine (see the module docstring).
+    """Checks every logit row of every forward of one engine (see the module docstring): each row is
+    replayed alone, a decode step of batch one."""
 
-    `reference="single"` replays each row alone, a batch of one (the strict contract). `"batched"` replays
-    all of a step's rows as one batched decode step in the engine's own cache, each over a block table of
-    its own (its request's full context blocks, read in place, then free blocks with the rest of its
-    keys copied in): as exact when decode is batch invariant (decode rows at batch 2+ are themselves
-    checked against batch-1 decodes in single mode), and several times cheaper for trees. Without
-    enough free blocks a step falls back to single replays."""
-
-    def __init__(self, runner: ModelRunner, reference: str = "single", blocks=None):
-        if reference not in ("single", "batched"):
-            raise ValueError(f"reference must be 'single' or 'batched', got {reference!r}")
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.model = runner.model
-        self.reference = reference
-        self.blocks = blocks  # the engine's BlockManager (batched replays borrow its free blocks)
         self.report = RowReport()
         self._scratch: ModelRunner | None = None
         self._step = 0
         self._execute = runner.execute
 
     @classmethod
-    def attach(cls, engine, reference: str = "single") -> "RowChecker":
+    def attach(cls, engine) -> "RowChecker":
         """Wrap `engine`'s target runner; every later step is checked into `checker.report`."""
-        checker = cls(engine.executor.runner, reference, engine.blocks)
+        checker = cls(engine.executor.runner)
         engine.executor.runner.execute = checker.execute
         return checker
 
@@ -156,8 +145,6 @@ class RowChecker:
                 raise ValueError("rowcheck: items that hide part of their context are a draft's, not verification")
             tasks += self._tasks(it, block_ids, logits[row:row + n_rows], path, len(items))
             row += n_rows
-        if self.reference == "batched" and tasks and self._replay_in_place(tasks):
-            return logits
         for t in tasks:
             self._replay([t])
         return logits
@@ -193,8 +180,7 @@ class RowChecker:
                      f"/{'prefix' if prefix else 'gathered'}/rows={'1' if n == 1 else ('2-16' if n <= 16 else '17+')}"
                      f"/batch={'1' if batch == 1 else '2+'}")
             keys = self._slots(block_ids, context + [c + e for e in seen[:-1]])
-            tasks.append(_Task(it, r, rows[j], keys, int(self._slots(block_ids, [c + r])[0]), route,
-                               block_ids[:c // self.runner.block_size]))
+            tasks.append(_Task(it, r, rows[j], keys, int(self._slots(block_ids, [c + r])[0]), route))
         return tasks
 
     def _scratch_runner(self, num_slots: int) -> ModelRunner:
@@ -229,38 +215,6 @@ class RowChecker:
         ref = scratch.execute(items)
         self._compare(tasks, ref, scratch.kv, [s + len(t.key_slots) for s, t in zip(starts, tasks)])
 
-    def _replay_in_place(self, tasks: list[_Task]) -> bool:
-        """The batched replay in the engine's cache (see the class docstring); False when its free blocks
-        cannot hold the copied keys."""
-        bs, blocks, kv = self.runner.block_size, self.blocks, self.runner.kv
-        if blocks is None:
-            return False
-        owned = []
-        try:
-            items, written = [], []
-            for i, t in enumerate(tasks):
-                shared = len(t.shared_blocks) * bs
-                own = len(t.key_slots) - shared + 1  # the partial context block, ancestors, the row itself
-                rid = f"rowcheck-{i}"
-                if not blocks.can_allocate(own):
-                    return False
-                blocks.allocate(rid, own)
-                owned.append(rid)
-                table = t.shared_blocks + blocks.block_ids(rid)
-                dst = self._slots(table, list(range(shared, len(t.key_slots))))
-                src = t.key_slots[shared:]
-                for layer in range(len(kv.k)):
-                    kv.k[layer].index_copy_(0, dst, kv.k[layer].index_select(0, src))
-                    kv.v[layer].index_copy_(0, dst, kv.v[layer].index_select(0, src))
-                items.append(ForwardItem(rid, [t.item.token_ids[t.row]], len(t.key_slots), [0], block_ids=table))
-                written.append(int(self._slots(table, [len(t.key_slots)])[0]))
-            ref = self._execute(items)
-            self._compare(tasks, ref, kv, written)
-            return True
-        finally:
-            for rid in owned:
-                blocks.free(rid)
-
     def _compare(self, tasks: list[_Task], ref: torch.Tensor, kv: KVCache, written: list[int]) -> None:
         """Each task's logits and K/V against its replay's (`ref` rows; the replay wrote K/V at `written`)."""
         own = self.runner.kv
@@ -277,9 +231,9 @@ class RowChecker:
                                              int(t.logits.argmax()) == int(ref[i].argmax()), t.route))
 
 
-def check_engine_run(engine, prompts: list[list[int]], params, reference: str = "single") -> tuple[list, RowReport]:
+def check_engine_run(engine, prompts: list[list[int]], params) -> tuple[list, RowReport]:
     """Run `prompts` to completion on `engine` with every row checked: (outputs in prompt order, report)."""
-    checker = RowChecker.attach(engine, reference)
+    checker = RowChecker.attach(engine)
     try:
         reqs = [engine.add_request(p, params) for p in prompts]
         order = {r.request_id: i for i, r in enumerate(reqs)}
