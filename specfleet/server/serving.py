@@ -145,7 +145,9 @@ def spec_block(out: RequestOutput) -> dict[str, Any]:
     m = out.metrics
     return {"steps": m.get("steps", 0), "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
             "mean_accepted_length": m.get("mean_accepted_length", 0.0),
-            "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {})}
+            "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {}),
+            # proposer calls for this request that raised; > 0: it went on by plain decoding (same output)
+            "draft_failures": m.get("draft_failures", 0)}
 
 
 # -- log-probabilities ------------------------------------------------------------------------------
