@@ -269,3 +269,36 @@ def test_a_client_that_stops_reading_gets_its_request_stopped_through_the_app(mo
     assert error["code"] == "stream_stalled" and error["type"] == "timeout_error"
     assert "read none of this stream's output" in error["message"]
     assert all("finish_reason\": \"length" not in e for e in events), "the request did not run to its end"
+
+
+def test_deltas_merged_in_any_grouping_rebuild_every_output():
+    """Texts whose tail changes (a stop string cut, a U+FFFD completed), sent as deltas, merged as a full
+    buffer merges them, and applied by the stream: the reader sees exactly the cumulative outputs."""
+    import random
+
+    from specfleet.outputs import RequestOutput
+
+    rng = random.Random(0)
+    for trial in range(200):
+        text, tokens, outs = "", [], []
+        for step in range(rng.randint(1, 30)):
+            if text and rng.random() < 0.3:
+                text = text[:rng.randint(0, len(text))]  # the tail is revised
+            text += "".join(rng.choice("ab\ufffdé") for _ in range(rng.randint(0, 4)))
+            tokens = tokens + [rng.randrange(97) for _ in range(rng.randint(1, 3))]
+            outs.append(RequestOutput("r", None, [1], text, list(tokens), ["target"] * len(tokens), False, None))
+        sent, deltas = async_engine._Sent(), []
+        for out in outs:
+            deltas.append(async_engine.to_delta(out, sent))
+        groups, i = [], 0  # a reader that takes 1..k deltas at a time, each group merged into one
+        while i < len(deltas):
+            k = rng.randint(1, 5)
+            group = [async_engine.OutputDelta(**vars(deltas[i]))]
+            for d in deltas[i + 1:i + k]:
+                group[0].merge(d)
+            groups.append((group[0], outs[min(i + k, len(deltas)) - 1]))
+            i += k
+        stream = async_engine.RequestStream(None, "r", None, [1])
+        for merged, want in groups:
+            stream._apply(merged)
+            assert (stream._text, stream._token_ids) == (want.text, want.token_ids), trial

@@ -17,9 +17,10 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 if TYPE_CHECKING:
+    from specfleet.llm import LLM
     from specfleet.server.app import ServerConfig
 
 API_KEY_ENV = "SPECFLEET_API_KEY"
@@ -91,7 +92,9 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                         stream_buffer=args.stream_buffer, stream_stall_timeout_s=args.stream_stall_timeout)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = None) -> int:
+    """Serve until SIGTERM; `prepare(llm)` runs once the model is loaded (the soak test injects a draft
+    source that raises now and then, benchmarks/soak.py)."""
     from specfleet.extras import require
 
     for module in ("fastapi", "pydantic", "prometheus_client"):
@@ -111,6 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = server_config(args, os.environ)  # before the slow model load: bad settings fail at once
     sock = _bind(args.host, args.port)
     llm = build_llm(args)
+    if prepare is not None:
+        prepare(llm)
     app = create_app(llm, config)
     drain: Drain = app.state.drain
 
