@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections import deque
 
@@ -302,3 +303,26 @@ def test_deltas_merged_in_any_grouping_rebuild_every_output():
         for merged, want in groups:
             stream._apply(merged)
             assert (stream._text, stream._token_ids) == (want.text, want.token_ids), trial
+
+
+def test_draft_failures_are_in_metrics_and_in_each_response(model):
+    """A draft source that raises on every call: each request goes on by plain decoding (the same output),
+    its response's `spec.draft_failures` says so, and /metrics counts the failures and the requests."""
+    from test_draft_failures import Flaky
+
+    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    prompt = random_prompts([9], seed=2)[0]
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
+        plain = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
+        assert plain["spec"]["draft_failures"] == 0
+        llm.engine.proposer = Flaky("propose", every=1)
+        got = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
+        assert got["spec"]["draft_failures"] >= 1
+        assert got["choices"][0]["logprobs"]["tokens"] == plain["choices"][0]["logprobs"]["tokens"]
+        assert got["choices"][0]["finish_reason"] == "length"
+        metrics = client.get("/metrics").text
+    failures = float(re.search(r"^specfleet_spec_draft_failures_total (\S+)$", metrics, re.M).group(1))
+    fallbacks = float(re.search(r"^specfleet_spec_draft_fallback_requests_total (\S+)$", metrics, re.M).group(1))
+    assert failures >= 1 and fallbacks == 1
+    assert "specfleet_kv_blocks_held 0.0" in metrics and "specfleet_engine_requests 0.0" in metrics
