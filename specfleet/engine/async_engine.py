@@ -383,6 +383,7 @@ class AsyncEngine:
                     self._call_in_loop(self._deliver, deltas)
         except BaseException as e:  # noqa: BLE001 -- the thread must report every failure, then die
             logger.exception("engine step failed; the engine stops serving")
+            self._abort_all()  # before the error is visible: whoever sees the engine dead sees its blocks free
             self.error = e
             if self.death_reason is None:
                 self.death_reason = f"an engine step raised {e!r}"
