@@ -73,10 +73,9 @@ class StreamStalledError(SpecfleetError):
 
 def num_held_blocks(blocks: BlockManager) -> int:
     """KV blocks held by live requests: 0 once every request has ended, else blocks leaked (the soak
-    test's and /metrics' leak check). Today a block is either free or in exactly one request's table,
-    so these are the blocks that are not free. With prefix caching a block whose request ended may stay
-    cached for reuse (evictable, referenced by no request): such blocks must not count here."""
-    return blocks.num_blocks - blocks.num_free_blocks
+    test's and /metrics' leak check). Cached prefix blocks that no request holds do not count (they are
+    evictable, BlockManager.num_held_blocks)."""
+    return blocks.num_held_blocks
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,11 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_engine_steps: int = 0
+    # the target's prefix cache (runtime/block_manager.py): its size and lookups since the start
+    num_cached_blocks: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evictions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     # from the proposer's optional capabilities (core/proposer.py); server/metrics.py interprets them
     draft_weights: Mapping[str, object] = field(default_factory=dict)
@@ -468,7 +472,9 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_blocks=eng.blocks.num_free_blocks, num_blocks=eng.blocks.num_blocks,
-            num_engine_steps=self._num_steps, stats=stats,
+            num_engine_steps=self._num_steps, stats=stats, num_cached_blocks=eng.blocks.num_cached_blocks,
+            prefix_queried_tokens=eng.blocks.num_queried_tokens, prefix_hit_tokens=eng.blocks.num_hit_tokens,
+            prefix_evictions=eng.blocks.num_evictions,
             draft_weights=_copy_map(proposer.weights) if isinstance(proposer, DraftWeights) else {},
             draft_stats=_copy_map(proposer.draft_stats) if isinstance(proposer, DraftStats) else {},
             num_speculative_tokens=speculation_length(proposer), num_held_blocks=num_held_blocks(eng.blocks),

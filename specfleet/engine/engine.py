@@ -65,7 +65,7 @@ class Engine:
             self.max_model_len = num_blocks * cc.block_size - 64
             if self.max_model_len < 2:
                 raise InvalidRequestError(f"kv_cache_bytes={cc.kv_cache_bytes} is too small for this model")
-        self.blocks = BlockManager(num_blocks, cc.block_size)
+        self.blocks = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(model, KVCache.allocate(mcfg, num_blocks, cc.block_size, self.dtype, self.device),
                                   self.device)
         self.scheduler = Scheduler(self.blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_num_prefills)

@@ -131,13 +131,15 @@ class DeltaText:
         return best
 
 
-def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, int]:
+def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, Any]:
     """Usage of a response whose choices are `n` samples of each prompt in turn: each prompt counted once
     (its samples share it, as at OpenAI), every choice's tokens (less the `skip_tokens` of an echo with
-    max_tokens=0)."""
+    max_tokens=0); `prompt_tokens_details.cached_tokens` are the prompt tokens the prefix cache served."""
     n_prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
     n_out = sum(max(0, len(out.token_ids) - skip_tokens) for out in outs)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    cached = sum((out.metrics or {}).get("num_cached_tokens", 0) for out in outs[::n])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def spec_block(out: RequestOutput) -> dict[str, Any]:
