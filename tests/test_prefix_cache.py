@@ -254,3 +254,18 @@ def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics():
             metrics = client.get("/metrics").text
             assert f"specfleet_prefix_cache_hit_tokens_total {float(want)}" in metrics
             assert "specfleet_prefix_cache_queried_tokens_total 78.0" in metrics
+
+
+@needs_native
+def test_samples_of_one_prompt_compute_it_once(target):
+    """Three samples of one 41-token prompt arrive together: the first prefills it and the others wait for
+    that prefill and map its 10 full blocks; the tokens are those of three separate uncached runs."""
+    prompt = random_prompts([41], seed=12)[0]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=8, ignore_eos=True) for s in range(3)]
+    ref = [_run(_engine(target, caching=False), [prompt], p)[0].token_ids for p in params]
+    eng = _engine(target, max_num_batched_tokens=16)
+    reqs = [eng.add_request(prompt, p) for p in params]
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == ref
+    assert [r.num_cached_tokens for r in reqs] == [0, 40, 40] and eng.blocks.num_hit_tokens == 80

@@ -24,7 +24,10 @@ MIN_CHUNK tokens. Without anyone else a long prompt takes the whole budget, at f
 
 Prefix caching: a waiting request is admitted with the longest cached prefix of its tokens already
 computed (runtime/block_manager.py), so its chunks, its share of the budget and its admission check
-count only the rest; after a preemption it looks again, and usually finds its own blocks.
+count only the rest; after a preemption it looks again, and usually finds its own blocks. A request
+whose first block is the first block of a prompt still being prefilled (the n samples of one prompt,
+or clients sharing a system prompt that arrive together) waits until that prefill ends and then maps
+it, rather than computing the same prefix beside it.
 
 Memory: when the cache has no room for a decode row, the pending draft is dropped first; then the
 most recently admitted request is preempted: its blocks are freed and it goes back to the front of
@@ -185,7 +188,8 @@ class Scheduler:
                 continue
             # looked up again: an admission before this one in the step may have evicted part of it
             cached = self._cached_blocks(req)
-            if self.waiting[0] is not req or not self.blocks.can_allocate(num_new, cached):
+            if self.waiting[0] is not req or not self.blocks.can_allocate(num_new, cached) \
+                    or self._prefix_in_prefill(req, len(cached)):
                 break  # admission is in arrival order
             self.waiting.popleft()
             self.blocks.allocate(req.request_id, num_new, cached)
@@ -197,6 +201,15 @@ class Scheduler:
             req.draft = None
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, False))
+
+    def _prefix_in_prefill(self, req: Request, num_cached: int) -> bool:
+        """Whether a running request still prefilling its prompt starts with the block after `req`'s
+        cached ones (so `req` would compute it a second time beside it, instead of mapping it later)."""
+        if not self.blocks.enable_caching or not req.uses_prefix_cache or len(req.block_hashes) <= num_cached:
+            return False
+        h = req.block_hashes[num_cached]
+        return any(r.status == RequestStatus.RUNNING and r.num_computed_tokens < len(r.prompt_token_ids)
+                   and len(r.block_hashes) > num_cached and r.block_hashes[num_cached] == h for r in self.running)
 
     def _cached_blocks(self, req: Request) -> list[int]:
         return self.blocks.cached_prefix(req.all_token_ids, req.block_hashes) if req.uses_prefix_cache else []

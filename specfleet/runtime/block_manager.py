@@ -126,10 +126,10 @@ class BlockManager:
     def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
         """The registered blocks that hold the longest cached prefix of `token_ids`, leaving at least the
         last token uncached. `hashes` is the caller's per-request memo of block hashes (extended here)."""
-        if not self.enable_caching or not self._block_of:
+        if not self.enable_caching:
             return []
         n = (len(token_ids) - 1) // self.block_size
-        extend_block_hashes(hashes, token_ids, self.block_size, n)
+        extend_block_hashes(hashes, token_ids, self.block_size, n)  # also read by the scheduler
         blocks = []
         for h in hashes[:n]:
             b = self._block_of.get(h)
