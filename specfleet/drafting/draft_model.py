@@ -230,9 +230,10 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         for step in range(k):
+            argmax = logits.argmax(-1).tolist()  # one host transfer per draft step for every greedy request
             for i, r in enumerate(reqs):
                 if r.params.is_greedy:
-                    tokens[i].append(int(logits[i].argmax()))
+                    tokens[i].append(argmax[i])
                 else:
                     q = target_probs(logits[i:i + 1], r.params)[0]
                     tokens[i].append(draw(q, self.generators.get(r)))

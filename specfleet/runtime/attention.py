@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,7 +57,9 @@ class SeqAttention:
     kv: slice | torch.Tensor  # cache rows of its context_len + query_len tokens: a slice, or gathered indices
     new_mask: torch.Tensor | None = None  # [query, query] bool among the new tokens; None = causal
     context_mask: torch.Tensor | None = None  # [query, context] bool; None = the whole context is visible
+    host_mask: torch.Tensor | None = None  # new_mask as the runner built it on the CPU (read without a device sync)
     _bias: dict = field(default_factory=dict, repr=False)  # additive masks folded per group, made once per step
+    _row_keys: dict = field(default_factory=dict, repr=False)  # device -> each row's gathered key indices
     _windowed: dict = field(default_factory=dict, repr=False)  # window -> this layout cut to it, made once per step
 
     def bias(self, group: int, with_context: bool, device: torch.device, dtype: torch.dtype,
@@ -78,6 +81,24 @@ class SeqAttention:
             self._bias[key] = bias.repeat_interleave(group, dim=0)
         return self._bias[key]
 
+    def row_keys(self, device: torch.device) -> list[torch.Tensor | None]:
+        """For each new token, the layout indices of the keys its decode step sees when they are not a
+        prefix (the context, then its visible new tokens), or None when they are: made once per step
+        from the host copy of the mask, so no layer waits on the device for it."""
+        if device not in self._row_keys:
+            mask = (self.host_mask if self.host_mask is not None else self.new_mask.cpu()).numpy()
+            c, rows = self.context_len, []
+            for i in range(self.query_len):  # host arithmetic in numpy: no tensor op, no device wait
+                seen = mask[i, :i + 1].nonzero()[0]
+                rows.append(None if len(seen) == i + 1 else np.concatenate([np.arange(c), seen + c]))
+            flat = [r for r in rows if r is not None]
+            if flat:  # one host-to-device copy for all of them
+                moved = torch.from_numpy(np.concatenate(flat)).to(device, non_blocking=True)
+                it = iter(moved.split([len(r) for r in flat]))
+                rows = [None if r is None else next(it) for r in rows]
+            self._row_keys[device] = rows
+        return self._row_keys[device]
+
     def windowed(self, window: int) -> "SeqAttention":
         """This layout without the context rows that no query's window reaches: with the whole context
         visible, the first new token (the oldest query) sees rows > context_len - window, and every later
@@ -88,7 +109,8 @@ class SeqAttention:
         if window not in self._windowed:
             kv = self.kv
             kv = slice((kv.start or 0) + cut, kv.stop, kv.step) if isinstance(kv, slice) else kv[cut:]
-            self._windowed[window] = SeqAttention(self.query_len, self.context_len - cut, kv, self.new_mask)
+            self._windowed[window] = SeqAttention(self.query_len, self.context_len - cut, kv, self.new_mask,
+                                                  host_mask=self.host_mask)
         return self._windowed[window]
 
 
@@ -221,19 +243,16 @@ def _attend_rowwise(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Seq
     here too, so both see the same keys)."""
     n, c = seq.query_len, seq.context_len
     out = torch.empty_like(qi)
+    row_keys = seq.row_keys(k.device) if seq.new_mask is not None else [None] * n
     for i in range(n):
         first = 0 if window is None else max(0, c + i + 1 - window)
-        if seq.new_mask is None:
+        idx = row_keys[i]
+        if idx is None:  # the context and every earlier new token: a prefix of the rows
             ki, vi = k[:, :, first:c + i + 1], v[:, :, first:c + i + 1]
         else:
-            seen = seq.new_mask[i, : i + 1].nonzero().flatten()
-            if len(seen) == i + 1:  # every earlier new token: a prefix
-                ki, vi = k[:, :, first:c + i + 1], v[:, :, first:c + i + 1]
-            else:
-                idx = torch.cat([torch.arange(c, device=seen.device), seen + c]).to(k.device)
-                if window is not None:
-                    idx = idx[-window:]
-                ki, vi = k.index_select(2, idx), v.index_select(2, idx)
+            if window is not None:
+                idx = idx[-window:]
+            ki, vi = k.index_select(2, idx), v.index_select(2, idx)
         out[i] = _unfold(F.scaled_dot_product_attention(_fold(qi[i:i + 1], num_kv_heads), ki, vi, scale=scale), 1)[0]
     return out
 

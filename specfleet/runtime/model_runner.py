@@ -110,14 +110,14 @@ class ModelRunner:
         mask = it.new_mask
         if mask is None:
             return SeqAttention(n, c, kv)
-        mask = mask.to(self.device)
+        host = mask.cpu().numpy()  # masks are built on the host: decisions read this copy, never the device's
         context_mask = None
-        if mask.shape[1] == c + n:
-            context_mask = mask[:, :c]
-            if bool(context_mask.all()):
-                context_mask = None
-            mask = mask[:, c:]
-        return SeqAttention(n, c, kv, mask, context_mask)
+        if host.shape[1] == c + n:
+            if not host[:, :c].all():
+                context_mask = torch.from_numpy(host[:, :c].copy()).to(self.device, non_blocking=True)
+            host = host[:, c:]
+        host = torch.from_numpy(host.copy())
+        return SeqAttention(n, c, kv, host.to(self.device, non_blocking=True), context_mask, host_mask=host)
 
     def commit_path(self, blocks: BlockManager, request_id: str, base: int, path: list[int]) -> None:
         """Keep the KV of an accepted tree path: node j of the tree sits at layout index base + j; the

@@ -87,8 +87,9 @@ def _visible_keys(seq: SeqAttention, i: int) -> np.ndarray:
     c = seq.context_len
     ctx = (np.arange(c, dtype=np.int64) if seq.context_mask is None
            else seq.context_mask[i].cpu().numpy().nonzero()[0].astype(np.int64))
-    new = (np.arange(i + 1, dtype=np.int64) if seq.new_mask is None
-           else seq.new_mask[i, :i + 1].cpu().numpy().nonzero()[0].astype(np.int64))
+    mask = seq.host_mask if seq.host_mask is not None else seq.new_mask
+    new = (np.arange(i + 1, dtype=np.int64) if mask is None
+           else mask[i, :i + 1].cpu().numpy().nonzero()[0].astype(np.int64))
     return np.concatenate([ctx, new + c])
 
 
