@@ -63,6 +63,34 @@ def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which an object schema that lists `properties` and says nothing of
+    others allows no others, as vLLM's default engine does (xgrammar's strict mode): without it a small
+    model invents keys until max_tokens. `additionalProperties: true` (or a schema) keeps them allowed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties",
+                                                          "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            value = out[key]
+            out[key] = [close_objects(v) for v in value] if isinstance(value, list) else close_objects(value)
+    return out
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet checked against a tokenizer)."""
     ll = _llguidance().LLMatcher
@@ -77,7 +105,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
         try:
-            return ll.grammar_from_json_schema(schema, defaults=json_options(spec))
+            return ll.grammar_from_json_schema(close_objects(schema), defaults=json_options(spec))
         except ValueError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}") from None
     if kind == "regex":
@@ -151,19 +179,21 @@ class GrammarCompiler:
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]]" = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.RLock()
 
 
 def compiler_for(tokenizer, vocab_size: int, eos_token_ids=()) -> GrammarCompiler:
     """The one compiler of a tokenizer object (the engine's and the grammar draft's share it)."""
     if tokenizer is None:
         raise InvalidRequestError("structured output needs the model's tokenizer; this model has none")
-    per = _COMPILERS.setdefault(tokenizer, {})
-    found = per.get(vocab_size)
-    if found is None:
-        found = per[vocab_size] = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-    elif eos_token_ids and not set(eos_token_ids) <= set(found.eos_token_ids):
-        found.eos_token_ids = sorted({*found.eos_token_ids, *eos_token_ids})
-    return found
+    with _COMPILERS_LOCK:  # the server's tokenizer thread, the engine thread and drafter threads ask
+        per = _COMPILERS.setdefault(tokenizer, {})
+        found = per.get(vocab_size)
+        if found is None:
+            found = per[vocab_size] = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        elif eos_token_ids and not set(eos_token_ids) <= set(found.eos_token_ids):
+            found.eos_token_ids = sorted({*found.eos_token_ids, *eos_token_ids})
+        return found
 
 
 class Matcher:

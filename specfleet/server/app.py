@@ -152,6 +152,10 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             for j in range(req.n):
                 plans.append((i, ids, serving.sampling_params(req, max_tokens, len(ids), max_len, specials,
                                                               default_max_tokens, sample=j)))
+        spec = plans[0][2].structured_outputs if plans else None
+        if spec is not None:  # an invalid grammar is a 400 before the response starts; the first one
+            # builds the grammar engine's view of the tokenizer (seconds): on the tokenizer thread
+            await tokenize(lambda: llm.engine.grammar_compiler().grammar(spec))
         response_id = serving.new_request_id(kind)
         choices: list[Choice] = []
         try:

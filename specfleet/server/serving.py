@@ -15,7 +15,8 @@ from typing import Any, Mapping
 from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
 from specfleet.outputs import RequestOutput, TokenLogprob
-from specfleet.sampling_params import SamplingParams
+from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
+from specfleet.server import tools
 from specfleet.server.errors import APIError
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -94,7 +95,18 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         prompt_logprobs = None
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
                           max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
-                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          structured_outputs=structured_outputs(req))
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint: a forced tool call's grammar, or its structured-output field."""
+    if isinstance(req, ChatCompletionRequest):
+        forced = req.forced_tools()
+        if forced is not None:
+            # a named function is called once (as vLLM does); "required" may call several with parallel_tool_calls
+            return tools.forced_call_grammar(forced, req.parallel_tool_calls and req.tool_choice == "required")
+    return req.structured_spec()
 
 
 class DeltaText:
