@@ -203,3 +203,29 @@ def test_grammar_front_forces_cuts_extends_and_maps_feedback_back():
     assert got["cut"].emitted_token_ids == [3, 3, 5, EOS]
     front.release("cut")
     assert inner.released == ["cut"]
+
+
+@pytest.mark.real_model
+def test_forced_tool_call_on_qwen_writes_its_special_tags():
+    """Qwen2.5's `<tool_call>` is one added token: the grammar must name that token (a quoted literal of
+    its text is allowed by llguidance's mask and then refused when consumed). Skipped where the 0.5B is
+    not installed (CI installs SmolLM2 only)."""
+    from conftest import optional_model_path
+    from specfleet.llm import LLM
+
+    optional_model_path("qwen-0.5b")
+    base = LLM("qwen-0.5b", draft=None)
+    spec = LLM("qwen-0.5b", draft="fleet(suffix,prompt-lookup)", _model=base.model, _tokenizer=base.tokenizer)
+    compiler = base.engine.grammar_compiler()
+    tag = base.tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert compiler.literal("<tool_call>") == f"<[{tag}]>" and compiler.literal("get_weather") == '"get_weather"'
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    text = base.tokenizer.apply_chat_template(msgs, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    ids = base.tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=forced_call_grammar([WEATHER_TOOL], False, compiler.literal))
+    plain, fast = base.generate([ids], params)[0], spec.generate([ids], params)[0]
+    assert plain.token_ids[0] == tag and fast.token_ids == plain.token_ids and plain.finish_reason == "stop"
+    [call] = parse_tool_calls(plain.text)[1]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    assert fast.metrics["drafts_used"].get("grammar", 0) > 0

@@ -174,6 +174,15 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {spec.kind} constraint: {error.strip().splitlines()[0]}")
         return text
 
+    def literal(self, text: str) -> str:
+        """Lark for `text` written by this tokenizer: a text that is one special (added) token, such as
+        Qwen2.5's `<tool_call>`, must be named as that token (`<[151657]>`): a quoted literal of its text
+        would make llguidance allow the token in the mask and then refuse it when consumed."""
+        ids = self.lltok.tokenize_str(text)
+        if len(ids) == 1 and self.lltok.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return lark_string(text)
+
     def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
         return Matcher(self, self.grammar(spec))
 

@@ -23,7 +23,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from specfleet.runtime.grammar import COMPACT_JSON, close_objects, lark_string
 from specfleet.sampling_params import StructuredOutputsParams
@@ -134,15 +134,17 @@ def tool_call_prefix_len(text: str) -> int:
     return 0
 
 
-def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool,
+                        literal: Callable[[str], str] = lark_string) -> StructuredOutputsParams:
     """A Lark grammar (llguidance's) for a reply that calls one of `tool_defs` (OpenAI tool objects):
 
         <tool_call>
         {"name": "get_weather", "arguments": {"city": "Paris"}}
         </tool_call>
 
-    with `parallel`, one or more such blocks, one per line. The tags are literals of their own, so a
-    tokenizer that has them as single tokens (Qwen2.5) must write those tokens; the arguments follow the
+    with `parallel`, one or more such blocks, one per line. The tags are written by `literal` (the grammar
+    compiler's, GrammarCompiler.literal), so a tokenizer that has them as single tokens (Qwen2.5) must
+    write those tokens; the arguments follow the
     tool's `parameters` JSON schema (any object without one; no keys beyond its `properties` unless it
     allows them, runtime/grammar.close_objects), laid out as json.dumps lays it out."""
     calls = []
@@ -153,8 +155,8 @@ def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool) -> Stru
         schema["x-guidance"] = {**COMPACT_JSON, "lenient": True}
         head = "\n{\"name\": " + json.dumps(fn["name"], ensure_ascii=False) + ", \"arguments\": "
         calls.append(f"call_{i}")
-        rules.append(f"call_{i}: {lark_string(TOOL_CALL_START)} {lark_string(head)} args_{i} "
-                     f"{lark_string('}' + chr(10))} {lark_string(TOOL_CALL_END)}")
+        rules.append(f"call_{i}: {literal(TOOL_CALL_START)} {lark_string(head)} args_{i} "
+                     f"{lark_string('}' + chr(10))} {literal(TOOL_CALL_END)}")
         rules.append(f"args_{i}: %json " + json.dumps(schema, ensure_ascii=False))
     call = "call: " + " | ".join(calls)
     start = "start: call (\"\\n\" call)*" if parallel else "start: call"
