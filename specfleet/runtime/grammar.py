@@ -279,6 +279,9 @@ class Matcher:
         neg = float("-inf")
         eos = set(self.compiler.eos_token_ids)
 
+        only_eos = torch.zeros(self.vocab_size, dtype=torch.bool)
+        only_eos[[t for t in eos if t < self.vocab_size]] = True
+
         def visit(node: int, allowed: torch.Tensor) -> None:
             out[node + 1].masked_fill_(~allowed.to(out.device), neg)
             if self.broken:
@@ -287,8 +290,13 @@ class Matcher:
                 tok = tree.token_ids[c]
                 if not (0 <= tok < self.vocab_size and bool(allowed[tok])) or tok in eos:
                     continue  # forbidden (never accepted) or the end of the output: nothing below is reachable
-                if not self.m.consume_token(tok):
-                    raise RuntimeError(f"grammar: the mask allowed token {tok} but the matcher refused it")
+                if self.m.validate_tokens([tok]) != 1:
+                    # the mask allowed a token the matcher refuses (an engine quirk): plain decoding would
+                    # commit it and then allow only EOS (`advance`), so every row below allows only EOS
+                    for j in [c, *(k for k in range(c + 1, len(tree)) if c in tree.path_to(k))]:
+                        out[j + 1].masked_fill_(~only_eos.to(out.device), neg)
+                    continue
+                self.m.consume_token(tok)
                 try:
                     visit(c, self.allowed())
                 finally:
