@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--deal-drafts", action="store_true",
+                    help="check each prompt with one draft (dealt round-robin) instead of every draft: many "
+                         "prompts in the time of few")
+    ap.add_argument("--plain-unchecked", action="store_true",
+                    help="run plain decoding for the reference outputs without replaying its rows")
     args = ap.parse_args(argv)
 
     from specfleet.bench.report import md_table, write_results
@@ -93,15 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     print(f"{len(prompts)} prompts, {args.tokens} tokens each; configs {args.configs}", flush=True)
 
-    def run(draft: str | None) -> tuple[dict[str, list[int]], RowReport, dict]:
+    def run(draft: str | None, subset: list, check: bool = True) -> tuple[dict[str, list[int]], RowReport, dict]:
         outs, report, stats = {}, RowReport(), {"drafted": 0, "accepted": 0, "steps": 0, "preemptions": 0}
         for ci, name in enumerate(args.configs):
             cfg = CONFIGS[name]
-            mine = prompts[ci::len(args.configs)]
+            mine = subset[ci::len(args.configs)]
             engine = make_engine(model, tokenizer, draft, cfg, args.tokens, longest)
             for i in range(0, len(mine), cfg["batch"]):
                 group = mine[i:i + cfg["batch"]]
-                results, rep = check_engine_run(engine, [p for _, p in group], params)
+                if check:
+                    results, rep = check_engine_run(engine, [p for _, p in group], params)
+                else:
+                    from specfleet.bench.rowcheck import run_unchecked
+
+                    results, rep = run_unchecked(engine, [p for _, p in group], params), RowReport()
                 report.merge(rep)
                 stats["preemptions"] += sum(o.metrics.get("num_preemptions", 0) for o in results)
                 outs.update({pid: o.token_ids for (pid, _), o in zip(group, results)})
@@ -113,27 +123,27 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, total_rows, total_diff, mismatched = [], 0, 0, 0
     t0 = time.time()
-    plain, plain_report, _ = run(None)
+    plain, plain_report, _ = run(None, prompts, check=not args.plain_unchecked)
     systems = [("plain", plain_report, {}, plain)]
     print(f"plain: {plain_report.rows_checked} rows, {plain_report.rows_differing} differ ({time.time() - t0:.0f} s)",
           flush=True)
-    for draft in args.drafts:
+    for di, draft in enumerate(args.drafts):
         t = time.time()
-        outs, report, stats = run(draft)
+        outs, report, stats = run(draft, prompts[di::len(args.drafts)] if args.deal_drafts else prompts)
         systems.append((draft, report, stats, outs))
-        equal = sum(outs[pid] == plain[pid] for pid in plain)
+        equal = sum(outs[pid] == plain[pid] for pid in outs)
         print(f"{draft}: {report.rows_checked} rows, {report.rows_differing} differ; outputs equal to plain on "
-              f"{equal}/{len(plain)}; accepted {stats['accepted']}/{stats['drafted']} ({time.time() - t:.0f} s)",
+              f"{equal}/{len(outs)}; accepted {stats['accepted']}/{stats['drafted']} ({time.time() - t:.0f} s)",
               flush=True)
     payload = {"model": args.model, "prompts": [pid for pid, _ in prompts], "tokens": args.tokens,
                "configs": {c: CONFIGS[c] for c in args.configs}, "systems": []}
     for name, report, stats, outs in systems:
-        equal = sum(outs[pid] == plain[pid] for pid in plain)
+        equal = sum(outs[pid] == plain[pid] for pid in outs)
         total_rows += report.rows_checked
         total_diff += report.rows_differing
-        mismatched += len(plain) - equal
+        mismatched += len(outs) - equal
         payload["systems"].append({"draft": name, **report.as_dict(), **stats, "outputs_equal_plain": equal,
-                                   "num_prompts": len(plain)})
+                                   "num_prompts": len(outs)})
         rows.append({"draft": name, "rows": report.rows_checked, "differ": report.rows_differing,
                      "tree rows": sum(v for k, v in report.routes.items() if "/tree/" in k),
                      "gathered": sum(v for k, v in report.routes.items() if "/gathered/" in k),
@@ -141,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                      "batch 2+": sum(v for k, v in report.routes.items() if "batch=2+" in k),
                      "accepted/drafted": f"{stats.get('accepted', 0)}/{stats.get('drafted', 0)}",
                      "preemptions": stats.get("preemptions", 0),
-                     "outputs = plain": f"{equal}/{len(plain)}"})
+                     "outputs = plain": f"{equal}/{len(outs)}"})
     body = (f"Target `{args.model}`, {len(prompts)} prompts ({', '.join(args.datasets)}, {args.prompts} each), "
             f"{args.tokens} greedy tokens, configs {', '.join(args.configs)} (prompts dealt round-robin), "
-            f"each row replayed as a decode step of batch one.\n\n"
+            f"each row replayed as a decode step of batch one"
+            + ("; each prompt checked with one draft, dealt round-robin" if args.deal_drafts else "")
+            + ("; plain decoding's rows not replayed (its outputs are the reference)" if args.plain_unchecked else "")
+            + ".\n\n"
             + md_table(rows, list(rows[0])) +
             f"\n\nAll systems: {total_rows} rows checked, **{total_diff} differing**; outputs differing from plain "
             f"decoding: **{mismatched}**.\n\nRoutes per system (rows checked):\n\n"

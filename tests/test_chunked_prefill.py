@@ -232,6 +232,46 @@ def test_step_cost_model_measures_a_decode_step_and_the_per_row_cost():
     assert first_prefill.row_cap(2.0) == 11
 
 
+def test_step_cost_model_calibrates_when_every_decode_step_is_large():
+    """More than 8 requests decoding from the start (or drafts that make every step long): no step has
+    few rows, yet the decode step and the per-row cost are still told apart (issue 31)."""
+    from specfleet.engine.step_costs import StepCostModel
+
+    costs = StepCostModel()
+    costs.record(480, 0.010 + 480 * 0.001)  # 16 prompts prefilled together
+    for _ in range(20):
+        costs.record(16, 0.010 + 16 * 0.001)  # then 16 requests decode: 26 ms a step
+    assert costs.row_s == pytest.approx(0.001) and costs.decode_s == pytest.approx(0.026)
+    assert costs.row_cap(2.0) == 16 + 26  # 26 more rows cost one more decode step
+    for _ in range(20):  # with 4-token drafts every step of 16 requests is 80 rows
+        costs.record(80, 0.010 + 80 * 0.001)
+    assert costs.row_cap(2.0) == 16 + 26, "the smallest steps stay the decode step"
+    close = StepCostModel()  # steps too close in size to tell the per-row cost from noise: no cap
+    close.record(40, 0.05)
+    close.record(16, 0.03)
+    assert close.row_cap(2.0) is None
+
+
+def test_the_row_cap_is_calibrated_at_batch_twelve(target, monkeypatch):
+    """Twelve requests prefilled together, then decoding twelve rows a step: the engine sets a row cap."""
+    eng = Engine(target, None, engine_config(target, max_num_seqs=16, max_num_prefills=16,
+                                             max_num_batched_tokens=512))
+    real = eng.runner.execute
+
+    def timed(items, blocks=None):  # a step's time is 2 ms + 0.05 ms a row (sleep dominates the tiny model)
+        import time
+        time.sleep(0.002 + 0.00005 * sum(len(it.token_ids) for it in items))
+        return real(items, blocks)
+
+    monkeypatch.setattr(eng.runner, "execute", timed)
+    for p in random_prompts([24] * 12, seed=5):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert all(len(r.output_token_ids) >= 2 for r in eng.requests.values()), "all twelve decode"
+    assert eng.scheduler.row_cap is not None and eng.scheduler.row_cap >= 12
+
+
 def test_mixed_steps_stay_under_the_row_cap_and_a_lone_prompt_does_not(target, monkeypatch):
     eng = Engine(target, None, engine_config(target, max_num_batched_tokens=64))
     monkeypatch.setattr(eng.executor.costs, "row_cap", lambda factor: 12)

@@ -267,3 +267,39 @@ def test_remote_worker_body_drafts_from_token_deltas_like_a_local_draft(draft):
     worker.release("a")
     free, total = worker.cache_usage()
     assert free == total
+
+
+def test_a_failed_step_fails_only_its_requests_in_the_pipelined_engine(target, plain_outputs):
+    """The forward raises once: the requests of that step (a micro-batch) end with StepFailedError and their
+    blocks are freed; the request out with its drafter meanwhile, and requests added afterwards, are served
+    with their usual output."""
+    from specfleet.engine.engine import StepFailedError
+
+    eng = PipelinedEngine(target, None, engine_config(target), drafters=[make_drafter("lookup", None)],
+                          pipeline=PipelineConfig(num_micro_batches=2))
+    real, calls = eng.runner.execute, []
+
+    def execute(items, blocks=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated kernel fault")
+        return real(items, blocks)
+
+    eng.runner.execute = execute
+    prompts = prompts_for(3)
+    with eng:
+        first = [eng.add_request(p, GREEDY) for p in prompts]
+        with pytest.raises(StepFailedError) as info:
+            for _ in range(100):
+                eng.step()
+        failed = set(info.value.request_ids)
+        assert failed and failed < {r.request_id for r in first}
+        assert all(r.finish_reason == "abort" for r in first if r.request_id in failed)
+        while eng.has_unfinished():
+            eng.step()
+        for i, r in enumerate(first):
+            if r.request_id not in failed:
+                assert r.output_token_ids == plain_outputs[3][i]
+        assert eng.blocks.num_held_blocks == 0
+        outs = run_to_completion(eng, prompts, GREEDY)
+        assert [o.token_ids for o in outs] == plain_outputs[3]

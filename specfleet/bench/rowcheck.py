@@ -231,17 +231,23 @@ class RowChecker:
                                              int(t.logits.argmax()) == int(ref[i].argmax()), t.route))
 
 
+def run_unchecked(engine, prompts: list[list[int]], params) -> list:
+    """Run `prompts` to completion on `engine`: the outputs in prompt order (no rows checked)."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    order = {r.request_id: i for i, r in enumerate(reqs)}
+    outs: list = [None] * len(reqs)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished and o.request_id in order:
+                outs[order[o.request_id]] = o
+    return outs
+
+
 def check_engine_run(engine, prompts: list[list[int]], params) -> tuple[list, RowReport]:
     """Run `prompts` to completion on `engine` with every row checked: (outputs in prompt order, report)."""
     checker = RowChecker.attach(engine)
     try:
-        reqs = [engine.add_request(p, params) for p in prompts]
-        order = {r.request_id: i for i, r in enumerate(reqs)}
-        outs: list = [None] * len(reqs)
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished and o.request_id in order:
-                    outs[order[o.request_id]] = o
+        outs = run_unchecked(engine, prompts, params)
     finally:
         checker.detach()
     return outs, checker.report

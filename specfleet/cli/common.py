@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--dtype unused); none = dense in --dtype; int8 = weight-only int8; q4_0/q8_0/q4_k = "
                         "requantize at load. Speculation is lossless against the target as loaded")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="memory for the target's KV cache, MiB")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt from scratch instead of reusing the KV of earlier requests' "
+                        "identical prefixes (on by default; hit rate in /metrics)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -55,7 +58,7 @@ def build_llm(args):
                top_children=args.tree_width, max_nodes=args.tree_nodes, kv_cache_bytes=args.kv_cache_mb << 20,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefills=args.max_num_prefills,
-               mixed_step_factor=args.mixed_step_factor,
+               mixed_step_factor=args.mixed_step_factor, enable_prefix_caching=args.prefix_caching,
                quantization=args.quantization)
 
 

@@ -17,9 +17,10 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 if TYPE_CHECKING:
+    from specfleet.llm import LLM
     from specfleet.server.app import ServerConfig
 
 API_KEY_ENV = "SPECFLEET_API_KEY"
@@ -37,6 +38,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM; then they end with a 503 error")
+    p.add_argument("--stream-buffer", type=int, default=64,
+                   help="updates a stream may hold for a client that does not read them (older ones are merged)")
+    p.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="seconds a stream's client may leave --stream-buffer updates unread; then its request is "
+                        "stopped (KV freed) and the stream ends with a stream_stalled error")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         f"{API_KEY_ENV} environment variable, which unlike this flag other users cannot see in ps)")
@@ -82,10 +88,13 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
     return ServerConfig(args.served_model_name or args.model, args.max_queue, args.max_body_bytes,
                         args.shutdown_timeout, api_key=args.api_key or environ.get(API_KEY_ENV) or None,
                         allowed_origins=origins,
-                        chat_template=read_chat_template(args.chat_template) if args.chat_template else None)
+                        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+                        stream_buffer=args.stream_buffer, stream_stall_timeout_s=args.stream_stall_timeout)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = None) -> int:
+    """Serve until SIGTERM; `prepare(llm)` runs once the model is loaded (the soak test injects a draft
+    source that raises now and then, benchmarks/soak.py)."""
     from specfleet.extras import require
 
     for module in ("fastapi", "pydantic", "prometheus_client"):
@@ -98,11 +107,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from specfleet.server.shutdown import UVICORN_BACKSTOP_S, Drain
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
-        raise SpecfleetError("--max-queue and --max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0 or args.stream_buffer < 1 \
+            or not args.stream_stall_timeout >= 0:
+        raise SpecfleetError("--max-queue, --max-body-bytes and --stream-buffer must be >= 1 and --shutdown-timeout "
+                             "and --stream-stall-timeout >= 0")
     config = server_config(args, os.environ)  # before the slow model load: bad settings fail at once
     sock = _bind(args.host, args.port)
     llm = build_llm(args)
+    if prepare is not None:
+        prepare(llm)
     app = create_app(llm, config)
     drain: Drain = app.state.drain
 

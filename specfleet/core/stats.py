@@ -30,6 +30,7 @@ class SpecStats:
     accepted_by: dict[str, int] = field(default_factory=dict)  # proposer name -> its tokens accepted
     # proposer calls that raised; the requests they were for went on by plain decoding (engine.py)
     num_draft_failures: int = 0
+    num_draft_fallbacks: int = 0  # requests turned to plain decoding by those failures (each counted once)
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
         self.num_steps += 1
@@ -57,6 +58,7 @@ class SpecStats:
         self.draft_time += other.draft_time
         self.verify_time += other.verify_time
         self.num_draft_failures += other.num_draft_failures
+        self.num_draft_fallbacks += other.num_draft_fallbacks
         for mine, theirs in ((self.drafts_used, other.drafts_used), (self.drafted_by, other.drafted_by),
                              (self.accepted_by, other.accepted_by)):
             for name, c in theirs.items():
@@ -97,4 +99,5 @@ class SpecStats:
             "drafts_used": dict(self.drafts_used),
             "acceptance_by_draft": {k: round(v, 4) for k, v in self.acceptance_by_draft().items()},
             "draft_failures": self.num_draft_failures,
+            "draft_fallbacks": self.num_draft_fallbacks,
         }

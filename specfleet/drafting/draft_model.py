@@ -48,6 +48,9 @@ class DraftModelConfig:
     # draft only among the first `head_vocab` token ids: a smaller head matmul per draft token. Lossless
     # (the target verifies every token); rarer tokens are simply never proposed. None = full vocabulary.
     head_vocab: int | None = None
+    # map a request's longest cached prefix into the draft cache, as the target's cache does
+    # (runtime/block_manager.py): a chat's next turn catches the draft up on only what is new
+    prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1 or \
@@ -75,7 +78,8 @@ class DraftModelProposer:
         dtype = next(model.parameters()).dtype
         cc = self.config
         num_blocks = num_blocks_for_budget(model.config, dtype, cc.kv_cache_bytes, cc.block_size)
-        self.blocks = BlockManager(num_blocks, cc.block_size)
+        self.blocks = BlockManager(num_blocks, cc.block_size, cc.prefix_caching)
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> its block hashes (prefix cache memo)
         self.vocab_size = model.config.vocab_size
         self.runner = ModelRunner(model, KVCache.allocate(model.config, num_blocks, cc.block_size, dtype, self.device),
                                   self.device, cc.head_vocab)
@@ -110,6 +114,7 @@ class DraftModelProposer:
                 fed = tree.token_ids[:-1] if (chain and tree is not None) else []
                 self.blocks.truncate(r.request_id, r.num_tokens + len(fed))
                 self._cached[r.request_id] = (r.num_tokens, list(fed))
+                self._register(r, r.num_tokens - 1)
 
     def observe(self, feedback: list[Feedback]) -> None:
         pass  # the cache was rolled back to the committed prefix right after drafting
@@ -117,6 +122,7 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         self.blocks.free(request_id)
         self._cached.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         self.generators.pop(request_id)
 
     # -- capabilities (core/proposer.py) and the narrow API a staged draft uses -------------------
@@ -151,6 +157,7 @@ class DraftModelProposer:
         """Drop the request's draft KV but keep its generator (a selector switched it away)."""
         self.blocks.free(request_id)
         self._cached.pop(request_id, None)
+        self._hashes.pop(request_id, None)
 
     def sync(self, req) -> int:
         """Truncate the request's draft cache to the longest common prefix of the tokens it holds and
@@ -158,7 +165,7 @@ class DraftModelProposer:
         returns the number of valid cached tokens. Only the fed draft tokens need comparing."""
         rid = req.request_id
         if not self.blocks.has(rid):
-            return 0
+            return self._map_cached_prefix(req)
         held = self.blocks.num_tokens(rid)
         base, fed = self._cached.get(rid, (held, []))
         toks = req.all_token_ids
@@ -169,13 +176,30 @@ class DraftModelProposer:
             same += 1
         same = min(same, len(toks) - 1)
         if same < held:
-            self.blocks.truncate(rid, same)
+            same = self.blocks.truncate(rid, same)
         return same
+
+    def _map_cached_prefix(self, req) -> int:
+        """A request new to the draft cache starts from its longest cached prefix; returns its length."""
+        cached = self.blocks.cached_prefix(req.all_token_ids, self._hashes.setdefault(req.request_id, []))
+        if not cached or not self.blocks.can_allocate(0, cached):
+            return 0
+        self.blocks.allocate(req.request_id, 0, cached)
+        n = len(cached) * self.blocks.block_size
+        self.blocks.count_lookup(len(req.all_token_ids), n)
+        self._cached[req.request_id] = (n, [])
+        return n
+
+    def _register(self, req, num_tokens: int) -> None:
+        """Offer the draft cache's full blocks of the request's committed tokens below `num_tokens` (never
+        its last token: a later sync may cut back to it) to the prefix cache."""
+        self.blocks.register(req.request_id, req.all_token_ids, num_tokens,
+                             self._hashes.setdefault(req.request_id, []))
 
     def prepare(self, requests: list) -> None:
         """Catch the draft cache up on the requests' committed tokens (all but the last one, the next
         draft's root) ahead of a switch to this draft, so its first draft needs no long catch-up."""
-        items = []
+        items, prepared = [], []
         for r in requests:
             rid, upto = r.request_id, r.num_tokens - 1
             have = self.sync(r)  # drops stale draft tokens
@@ -185,8 +209,11 @@ class DraftModelProposer:
                 continue
             items.append(ForwardItem(rid, r.all_token_ids[have:upto], have, [upto - have - 1]))
             self._cached[rid] = (upto, [])
+            prepared.append(r)
         if items:
             self.forward(items)
+            for r in prepared:
+                self._register(r, r.num_tokens - 1)
 
     # -- internals -------------------------------------------------------------------------------
     def _reserve_catch_up(self, req: RequestView) -> bool:

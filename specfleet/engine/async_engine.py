@@ -6,14 +6,28 @@ thread hands outputs back with `loop.call_soon_threadsafe`, once per step for th
 
     loop thread                         engine thread
     generate() -> commands.put(Add)     drain commands -> engine.add_request / abort
-    await per-request asyncio.Queue  <- call_soon_threadsafe(deliver, outputs of this step)
+    await per-request bounded buffer <- call_soon_threadsafe(deliver, deltas of this step)
+
+What crosses over is a *delta* per request and step (the tokens, origins and log-probabilities new
+since the last one, and the text as "keep k characters, then append s": stop strings and completed
+UTF-8 characters can change the text's tail), not the whole output so far. Each stream's buffer holds
+at most `stream_buffer` deltas; when it is full the newest ones are merged into its last, so a slow
+reader costs memory in proportion to its output, never to output x steps. A reader that leaves its
+buffer full for longer than `stream_stall_timeout_s` is too far behind: its request is aborted (its
+KV blocks freed) and its stream ends with `StreamStalledError`; the engine and the other streams go
+on. The stream reassembles the deltas, so a reader still sees cumulative `RequestOutput`s.
 
 Invariants:
 - a request that stops being consumed (cancelled task, client gone, generator closed) is aborted;
   the abort is handled before the next step, so its KV blocks are free within one step;
 - admission is bounded: at most `max_queue` requests may wait for their first token;
-- an exception in `Engine.step` is fatal and loud: it is logged, every in-flight stream raises
-  `EngineDeadError`, and later calls are refused (the server reports 503 and /health fails).
+- one step's failure is its requests' own: when a step's forward, verification or commit raises, the
+  engine aborts the requests in that step (`StepFailedError`, engine.py), their streams raise
+  `RequestFailedError`, and the engine goes on;
+- a fatal error is loud and final: an error outside a step's batch (scheduling, bookkeeping), one that
+  poisons the process or the device (`engine.is_fatal`), or `max_step_failures` failed steps in a
+  row. It is logged, every in-flight stream raises `EngineDeadError`, later calls are refused (the
+  server reports 503) and `/health` gives `death_reason`.
 """
 from __future__ import annotations
 
@@ -21,13 +35,16 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from specfleet.core.proposer import DraftStats, DraftWeights, speculation_length
-from specfleet.engine.engine import Engine
+from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
-from specfleet.outputs import RequestOutput
+from specfleet.outputs import RequestOutput, TokenLogprob
+from specfleet.runtime.block_manager import BlockManager
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 
@@ -46,6 +63,21 @@ class EngineDeadError(EngineUnavailableError):
     """Engine.step raised; the engine's state is unknown, so it serves nothing more."""
 
 
+class RequestFailedError(SpecfleetError):
+    """The engine step that ran this request failed; the request was stopped, the engine goes on (HTTP 500)."""
+
+
+class StreamStalledError(SpecfleetError):
+    """The reader of this stream fell too far behind; its request was stopped to bound the server's memory."""
+
+
+def num_held_blocks(blocks: BlockManager) -> int:
+    """KV blocks held by live requests: 0 once every request has ended, else blocks leaked (the soak
+    test's and /metrics' leak check). Cached prefix blocks that no request holds do not count (they are
+    evictable, BlockManager.num_held_blocks)."""
+    return blocks.num_held_blocks
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state for /metrics, copied on the engine thread after every step; readers on other
@@ -56,11 +88,134 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_engine_steps: int = 0
+    # the target's prefix cache (runtime/block_manager.py): its size and lookups since the start
+    num_cached_blocks: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evictions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     # from the proposer's optional capabilities (core/proposer.py); server/metrics.py interprets them
     draft_weights: Mapping[str, object] = field(default_factory=dict)
     draft_stats: Mapping[str, object] = field(default_factory=dict)
     num_speculative_tokens: int | None = None  # the current length (an adaptive controller's choice)
+    num_held_blocks: int = 0  # KV blocks held by live requests (num_held_blocks)
+    num_requests: int = 0  # requests the engine tracks (running, waiting or between the two)
+    num_step_failures: int = 0  # steps whose batch failed (StepFailedError)
+    num_failed_requests: int = 0  # requests stopped by those failures
+
+
+@dataclass
+class OutputDelta:
+    """What one step added to a request's output (see the module docstring)."""
+
+    request_id: str
+    text_keep: int  # characters of the text sent so far that stay
+    text: str  # appended after them
+    token_ids: list[int]
+    token_origins: list[str]
+    logprobs: list[TokenLogprob] | None  # entries for the new tokens (None when not asked for)
+    prompt_logprobs: list[TokenLogprob | None] | None  # the whole list, when it changed; else None
+    finished: bool
+    finish_reason: str | None
+    metrics: dict
+
+    def merge(self, later: "OutputDelta") -> None:
+        """Fold a later delta into this one (a full buffer keeps its length this way)."""
+        if later.text_keep <= self.text_keep:
+            self.text_keep, self.text = later.text_keep, later.text
+        else:
+            self.text = self.text[:later.text_keep - self.text_keep] + later.text
+        self.token_ids = self.token_ids + later.token_ids
+        self.token_origins = self.token_origins + later.token_origins
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.finish_reason, self.metrics = later.finished, later.finish_reason, later.metrics
+
+
+@dataclass
+class _Sent:
+    """Engine thread: what was already sent of one request's output."""
+
+    text: str = ""
+    num_tokens: int = 0
+    num_logprobs: int = 0
+    num_prompt_logprobs: int = 0
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """len of the longest common prefix; fast when they differ only near the end (a text's tail changes)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    step, ok = 1, n
+    while True:  # back off in doubling steps until a prefix matches, then bisect
+        lo = max(0, n - step)
+        if a[:lo] == b[:lo]:
+            break
+        ok, step = lo, step * 2
+    hi = ok  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def to_delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
+    """The part of cumulative `out` not in `sent`; updates `sent`."""
+    keep = len(sent.text) if out.text.startswith(sent.text) else _common_prefix_len(sent.text, out.text)
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = out.logprobs[sent.num_logprobs:]
+        sent.num_logprobs = len(out.logprobs)
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None and len(out.prompt_logprobs) != sent.num_prompt_logprobs:
+        prompt_logprobs = out.prompt_logprobs
+        sent.num_prompt_logprobs = len(out.prompt_logprobs)
+    delta = OutputDelta(out.request_id, keep, out.text[keep:], out.token_ids[sent.num_tokens:],
+                        out.token_origins[sent.num_tokens:], logprobs, prompt_logprobs, out.finished,
+                        out.finish_reason, out.metrics)
+    sent.text, sent.num_tokens = out.text, len(out.token_ids)
+    return delta
+
+
+class _StreamBuffer:
+    """Loop thread: one stream's deltas, at most `capacity` of them, then an optional terminal error."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: deque[OutputDelta] = deque()
+        self.error: BaseException | None = None
+        self.full_since: float | None = None  # when the buffer last became full (None: it is not)
+        self._ready = asyncio.Event()
+
+    def put(self, delta: OutputDelta, now: float) -> None:
+        if len(self.items) < self.capacity:
+            self.items.append(delta)
+        else:
+            self.items[-1].merge(delta)
+            if self.full_since is None:
+                self.full_since = now
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._ready.set()
+
+    async def take(self) -> tuple[list[OutputDelta], BaseException | None]:
+        """Everything buffered (waiting for something first)."""
+        while not self.items and self.error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        items = list(self.items)
+        self.items.clear()
+        self.full_since = None
+        return items, self.error
 
 
 @dataclass(frozen=True)
@@ -84,15 +239,31 @@ _Command = _Add | _Abort | _Stop
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue: int = 256):
+    def __init__(self, engine: Engine, max_queue: int = 256, stream_buffer: int = 64,
+                 stream_stall_timeout_s: float = 30.0, max_step_failures: int = 3):
         if max_queue < 1:
             raise InvalidRequestError(f"max_queue must be >= 1, got {max_queue}")
+        if stream_buffer < 1:
+            raise InvalidRequestError(f"stream_buffer must be >= 1, got {stream_buffer}")
+        if not stream_stall_timeout_s >= 0:
+            raise InvalidRequestError(f"stream_stall_timeout_s must be >= 0, got {stream_stall_timeout_s}")
+        if max_step_failures < 1:
+            raise InvalidRequestError(f"max_step_failures must be >= 1, got {max_step_failures}")
         self.engine = engine
         self.max_queue = max_queue
+        self.stream_buffer = stream_buffer
+        self.stream_stall_timeout_s = stream_stall_timeout_s
+        self.max_step_failures = max_step_failures
         self.snapshot = EngineSnapshot()
-        self.error: BaseException | None = None  # set once, by the engine thread, when step() fails
+        self.error: BaseException | None = None  # set once, by the engine thread, when the engine dies
+        self.death_reason: str | None = None  # why, in words (for /health)
+        self.num_stalled_streams = 0  # streams stopped because their reader fell behind (loop thread)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # loop thread only
+        self._streams: dict[str, _StreamBuffer] = {}  # loop thread only
+        self._sent: dict[str, _Sent] = {}  # engine thread only
+        self._num_step_failures = 0  # engine thread only
+        self._num_failed_requests = 0
+        self._failures_in_a_row = 0
         self._queued: set[str] = set()  # admitted, no output delivered yet (waiting + pending); loop thread only
         self._is_accepting = False
         self._idle = asyncio.Event()  # set while no stream is open; used by shutdown()
@@ -131,8 +302,8 @@ class AsyncEngine:
         self._commands.put(_Stop())
         # the engine thread is finishing a step at most; do not block the loop while it does
         await asyncio.to_thread(self._thread.join, 60.0)
-        for q in self._streams.values():  # their requests were aborted by _Stop
-            q.put_nowait(EngineUnavailableError("the server shut down before this request finished"))
+        for buf in self._streams.values():  # their requests were aborted by _Stop
+            buf.fail(EngineUnavailableError("the server shut down before this request finished"))
 
     # -- requests (loop thread) --------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> "RequestStream":
@@ -150,12 +321,13 @@ class AsyncEngine:
                                  f"retry later")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        queue_: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue_
+        buf = _StreamBuffer(self.stream_buffer)
+        self._streams[request_id] = buf
         self._queued.add(request_id)
         self._idle.clear()
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
-        return RequestStream(self, request_id, queue_)
+        prompt = list(prompt_token_ids)
+        self._commands.put(_Add(request_id, prompt, params))
+        return RequestStream(self, request_id, buf, prompt)
 
     def _release(self, request_id: str, abort: bool) -> None:
         """A stream is done with: forget it, and abort its request unless it finished."""
@@ -166,19 +338,35 @@ class AsyncEngine:
         if not self._streams:
             self._idle.set()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the loop thread: route each output to its stream (aborted streams are gone)."""
-        for out in outputs:
-            self._queued.discard(out.request_id)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+    def _deliver(self, deltas: list[OutputDelta]) -> None:
+        """Runs on the loop thread: route each delta to its stream (aborted streams are gone), and stop
+        the requests whose reader left its buffer full for too long."""
+        now = time.monotonic()
+        for delta in deltas:
+            self._queued.discard(delta.request_id)
+            buf = self._streams.get(delta.request_id)
+            if buf is None:
+                continue
+            buf.put(delta, now)
+            if buf.full_since is not None and now - buf.full_since > self.stream_stall_timeout_s \
+                    and not delta.finished:
+                self._stall(delta.request_id, buf, now - buf.full_since)
+
+    def _stall(self, request_id: str, buf: _StreamBuffer, seconds: float) -> None:
+        self.num_stalled_streams += 1
+        logger.warning("stream %s: its reader took nothing for %.1f s with %d outputs waiting; the request is "
+                       "stopped", request_id, seconds, buf.capacity)
+        buf.fail(StreamStalledError(
+            f"the client read none of this stream's output for {seconds:.0f} s while {buf.capacity} updates "
+            f"waited (limit {self.stream_stall_timeout_s:g} s); the request was stopped to bound the server's "
+            f"memory; read the stream as it arrives"))
+        self._release(request_id, abort=True)
 
     def _deliver_error(self, request_id: str | None, error: BaseException) -> None:
         targets = list(self._streams.values()) if request_id is None else [self._streams.get(request_id)]
-        for stream in targets:
-            if stream is not None:
-                stream.put_nowait(error)
+        for buf in targets:
+            if buf is not None:
+                buf.fail(error)
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -186,21 +374,55 @@ class AsyncEngine:
             while True:
                 if not self._handle_commands(block=not self.engine.has_unfinished()):
                     break
-                outputs: list[RequestOutput] = []
+                deltas: list[OutputDelta] = []
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    try:
+                        deltas = self._deltas(self.engine.step())
+                        self._failures_in_a_row = 0
+                    except StepFailedError as e:
+                        self._step_failed(e)
                     self._num_steps += 1
                 self._publish_snapshot()
-                if outputs:
-                    self._call_in_loop(self._deliver, outputs)
+                if deltas:
+                    self._call_in_loop(self._deliver, deltas)
         except BaseException as e:  # noqa: BLE001 -- the thread must report every failure, then die
             logger.exception("engine step failed; the engine stops serving")
+            self._abort_all()  # before the error is visible: whoever sees the engine dead sees its blocks free
             self.error = e
+            if self.death_reason is None:
+                self.death_reason = f"an engine step raised {e!r}"
             self._call_in_loop(self._deliver_error, None,
                                EngineDeadError(f"the engine failed while running this request: {e!r}"))
         finally:
             self._abort_all()
+            self._sent.clear()
             self._publish_snapshot()
+
+    def _deltas(self, outputs: list[RequestOutput]) -> list[OutputDelta]:
+        deltas = []
+        for out in outputs:
+            sent = self._sent.setdefault(out.request_id, _Sent())
+            deltas.append(to_delta(out, sent))
+            if out.finished:
+                del self._sent[out.request_id]
+        return deltas
+
+    def _step_failed(self, e: StepFailedError) -> None:
+        """The engine aborted the step's requests; fail their streams, or die after too many in a row."""
+        self._num_step_failures += 1
+        self._num_failed_requests += len(e.request_ids)
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= self.max_step_failures:
+            self.death_reason = (f"{self._failures_in_a_row} engine steps in a row failed; the last raised "
+                                 f"{e.cause!r}")
+            raise e.cause
+        logger.error("an engine step failed; its %d request(s) are stopped, the engine goes on",
+                     len(e.request_ids), exc_info=e.cause)
+        for request_id in e.request_ids:
+            self._sent.pop(request_id, None)
+            self._call_in_loop(self._deliver_error, request_id, RequestFailedError(
+                f"the engine step that ran this request failed ({e.cause!r}); the request was stopped and the "
+                f"server goes on; retry it"))
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands; with `block`, sleep until one arrives. False once asked to stop."""
@@ -213,6 +435,7 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
+                self._sent.pop(cmd.request_id, None)
             else:
                 self._add(cmd)
             try:
@@ -249,24 +472,35 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_blocks=eng.blocks.num_free_blocks, num_blocks=eng.blocks.num_blocks,
-            num_engine_steps=self._num_steps, stats=stats,
+            num_engine_steps=self._num_steps, stats=stats, num_cached_blocks=eng.blocks.num_cached_blocks,
+            prefix_queried_tokens=eng.blocks.num_queried_tokens, prefix_hit_tokens=eng.blocks.num_hit_tokens,
+            prefix_evictions=eng.blocks.num_evictions,
             draft_weights=_copy_map(proposer.weights) if isinstance(proposer, DraftWeights) else {},
             draft_stats=_copy_map(proposer.draft_stats) if isinstance(proposer, DraftStats) else {},
-            num_speculative_tokens=speculation_length(proposer))
+            num_speculative_tokens=speculation_length(proposer), num_held_blocks=num_held_blocks(eng.blocks),
+            num_requests=len(eng.requests), num_step_failures=self._num_step_failures,
+            num_failed_requests=self._num_failed_requests)
 
 
 class RequestStream:
     """One request's cumulative outputs, as an async iterator; the last output has finished=True.
 
-    Closing it early (`aclose()`, or cancelling the task awaiting the next output) aborts the
-    request. Unlike an async generator, `aclose()` works even if iteration never started, so a
-    response that is cancelled before its first read still frees the request.
+    It reassembles the deltas the engine sends (a slow reader gets everything that arrived since its
+    last read as one output). Closing it early (`aclose()`, or cancelling the task awaiting the next
+    output) aborts the request. Unlike an async generator, `aclose()` works even if iteration never
+    started, so a response that is cancelled before its first read still frees the request.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+    def __init__(self, owner: AsyncEngine, request_id: str, buffer: _StreamBuffer, prompt_token_ids: list[int]):
         self.request_id = request_id
         self._owner = owner
-        self._outputs = outputs
+        self._buffer = buffer
+        self._prompt_token_ids = prompt_token_ids
+        self._text = ""
+        self._token_ids: list[int] = []
+        self._origins: list[str] = []
+        self._logprobs: list[TokenLogprob] | None = None
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self._is_closed = False
         self._is_finished = False
         self.error: BaseException | None = None  # what ended the stream, if the engine failed it
@@ -282,22 +516,37 @@ class RequestStream:
         if self._is_closed:
             raise StopAsyncIteration
         try:
-            items = [await self._outputs.get()]
+            deltas, error = await self._buffer.take()
         except BaseException:  # the consumer was cancelled: abort
             await self.aclose()
             raise
-        while not self._outputs.empty():  # outputs are cumulative: a slow reader skips to the newest
-            items.append(self._outputs.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                self.error = item
-                await self.aclose()
-                raise item
-        out: RequestOutput = items[-1]
-        if out.finished:
+        if error is not None:
+            self.error = error
+            await self.aclose()
+            raise error
+        for d in deltas:
+            self._apply(d)
+        last = deltas[-1]
+        out = RequestOutput(self.request_id, None, self._prompt_token_ids, self._text, list(self._token_ids),
+                            list(self._origins), last.finished, last.finish_reason, last.metrics,
+                            None if self._logprobs is None else list(self._logprobs), self._prompt_logprobs)
+        if last.finished:
             self._is_finished = True
             await self.aclose()
         return out
+
+    def _apply(self, d: OutputDelta) -> None:
+        if d.text_keep < len(self._text):
+            self._text = self._text[:d.text_keep]
+        self._text += d.text
+        self._token_ids.extend(d.token_ids)
+        self._origins.extend(d.token_origins)
+        if d.logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self._prompt_logprobs = d.prompt_logprobs
 
     async def aclose(self) -> None:
         if not self._is_closed:

@@ -18,7 +18,7 @@ from specfleet.engine.executor import StepExecutor
 from specfleet.engine.request import Request, RequestStatus, check_prompt
 from specfleet.engine.scheduler import Scheduler
 from specfleet.engine.stop import StopChecker
-from specfleet.errors import InvalidRequestError
+from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.grammar import GrammarCompiler, compiler_for
@@ -29,6 +29,22 @@ from specfleet.runtime.sampling import make_generator
 from specfleet.sampling_params import SamplingParams
 
 logger = logging.getLogger("specfleet.engine")
+
+
+class StepFailedError(SpecfleetError):
+    """A step's forward, verification or commit raised: the requests in that step were aborted (their KV
+    blocks freed) and the engine can go on with the others. `request_ids`: the requests it failed."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"an engine step failed on a batch of {len(request_ids)} request(s): {cause!r}")
+        self.request_ids, self.cause = request_ids, cause
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Errors after which no later step can be trusted: the process (MemoryError, KeyboardInterrupt) or
+    the device (a CUDA error poisons the context for good)."""
+    return not isinstance(error, Exception) or isinstance(error, MemoryError) \
+        or type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
 
 
 class Engine:
@@ -50,7 +66,7 @@ class Engine:
             self.max_model_len = num_blocks * cc.block_size - 64
             if self.max_model_len < 2:
                 raise InvalidRequestError(f"kv_cache_bytes={cc.kv_cache_bytes} is too small for this model")
-        self.blocks = BlockManager(num_blocks, cc.block_size)
+        self.blocks = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(model, KVCache.allocate(mcfg, num_blocks, cc.block_size, self.dtype, self.device),
                                   self.device)
         self.scheduler = Scheduler(self.blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_num_prefills)
@@ -125,12 +141,25 @@ class Engine:
             self._release_draft(req.request_id)
         if sched.is_empty:
             return []
-        outputs, feedback = self.executor.execute(sched)
+        try:
+            outputs, feedback = self.executor.execute(sched)
+        except BaseException as e:  # noqa: BLE001 - one batch's failure is its own (StepFailedError)
+            if is_fatal(e):
+                raise
+            raise self._step_failed(sched, e) from e
         if self.proposer is not None:
             if feedback:
                 self._observe(feedback)
             self._propose()
         return outputs
+
+    def _step_failed(self, sched, error: Exception) -> StepFailedError:
+        """Abort every request of the failed step: their state (counters, blocks, drafts) may be half
+        updated, and freeing them whole leaves the scheduler and the block manager consistent."""
+        ids = [s.request.request_id for s in sched.scheduled]
+        for request_id in ids:
+            self.abort(request_id)  # a no-op for one that finished in the step before the failure
+        return StepFailedError(ids, error)
 
     def _observe(self, feedback: list) -> None:
         try:
@@ -145,6 +174,9 @@ class Engine:
         optimisation, so one broken draft source must not end the other requests or the engine. Each
         failure is counted in `stats.num_draft_failures`; the first is logged with its traceback."""
         self.stats.num_draft_failures += 1
+        for r in requests:
+            r.stats.num_draft_failures += 1  # in its response's `spec` block
+            self.stats.num_draft_fallbacks += r.speculate
         if self.stats.num_draft_failures == 1:
             logger.error("proposer.%s raised; its %d request(s) continue without speculation (later failures "
                          "are only counted, in stats.num_draft_failures)", call, len(requests), exc_info=error)

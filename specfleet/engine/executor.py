@@ -58,6 +58,7 @@ class StepExecutor:
                 row += n_prompt_rows
             if not s.completes_sequence:  # a prompt chunk that stops short of the end: nothing to emit
                 s.request.num_computed_tokens += s.num_new_tokens
+                self._register(s.request)
                 continue
             tree = s.request.draft if s.with_draft else EMPTY_TREE
             s.request.draft = None  # a draft is verified once; the next step gets a fresh one
@@ -160,14 +161,20 @@ class StepExecutor:
             req.stats.num_emitted += num_emitted
             self.stats.num_emitted += num_emitted
         fb = Feedback(req.request_id, tree, path[:num_accepted], num_emitted, 0.0, tokens[:num_emitted])
+        self._register(req)  # after the emitted tokens joined the sequence, before a finish frees the table
         if req.finish_reason is not None:
             self.finish(req)
         return fb
+
+    def _register(self, req: Request) -> None:
+        """Offer the request's full blocks of computed (final) KV to the prefix cache."""
+        self.blocks.register(req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes)
 
     def output(self, req: Request) -> RequestOutput:
         text = self.stop_checker.text(req)
         metrics = req.stats.as_dict()
         metrics["num_preemptions"] = req.num_preemptions
+        metrics["num_cached_tokens"] = req.num_cached_tokens
         if req.first_token_time is not None:
             metrics["ttft_s"] = round(req.first_token_time - req.arrival_time, 6)
         if req.finish_time is not None:

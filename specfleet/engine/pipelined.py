@@ -31,7 +31,7 @@ from collections import Counter, defaultdict, deque
 import torch
 
 from specfleet.config import EngineConfig
-from specfleet.engine.engine import Engine
+from specfleet.engine.engine import Engine, is_fatal
 from specfleet.engine.request import Request, RequestStatus
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.errors import InvalidRequestError
@@ -169,8 +169,14 @@ class PipelinedEngine(Engine):
         return out
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Forward, verify, commit (the shared StepExecutor), then feedback; drafter threads propose."""
-        outputs, feedback = self.executor.execute(sched)
+        """Forward, verify, commit (the shared StepExecutor), then feedback; drafter threads propose. A step
+        that raises fails only its own requests, as in the plain engine (Engine.step)."""
+        try:
+            outputs, feedback = self.executor.execute(sched)
+        except BaseException as e:  # noqa: BLE001 - see Engine.step
+            if is_fatal(e):
+                raise
+            raise self._step_failed(sched, e) from e
         if feedback:
             self.drafters.observe(feedback)
         self.drafters.end_step()

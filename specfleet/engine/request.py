@@ -75,6 +75,9 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     speculate: bool = True  # False once a proposer failed on it: plain decoding from then on
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (first) admission
+    # chained hashes of the full blocks of all_token_ids, memoised for the prefix cache (block_manager.py)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
     detokenized: IncrementalText | None = None  # the output's text so far (the StopChecker's)
     stats: SpecStats = field(default_factory=SpecStats)
     # filled only when params.logprobs / params.prompt_logprobs ask for them (engine/executor.py)
@@ -103,6 +106,11 @@ class Request:
         self.output_origins.append(origin)
         if len(self._all_token_ids) == self.num_tokens - 1:
             self._all_token_ids.append(token)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Prompt log-probabilities need every prompt row computed, so such a request maps no cached prefix."""
+        return self.params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -22,6 +22,13 @@ step costs about `mixed_step_factor` decode steps (the engine measures both cost
 sets `row_cap` before each step; engine/step_costs.py), but each step still prefills at least
 MIN_CHUNK tokens. Without anyone else a long prompt takes the whole budget, at full prefill speed.
 
+Prefix caching: a waiting request is admitted with the longest cached prefix of its tokens already
+computed (runtime/block_manager.py), so its chunks, its share of the budget and its admission check
+count only the rest; after a preemption it looks again, and usually finds its own blocks. A request
+whose first block is the first block of a prompt still being prefilled (the n samples of one prompt,
+or clients sharing a system prompt that arrive together) waits until that prefill ends and then maps
+it, rather than computing the same prefix beside it.
+
 Memory: when the cache has no room for a decode row, the pending draft is dropped first; then the
 most recently admitted request is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed from its prompt and the output it already has. Nothing is ever dropped.
@@ -169,7 +176,9 @@ class Scheduler:
         room = min(self.max_num_prefills - len(partial), self.max_num_seqs - len(self.running))
         admissible = [] if out.preempted else list(itertools.islice(self.waiting, max(0, room)))
         candidates = partial[:self.max_num_prefills] + admissible
-        for req, num_new in zip(candidates, fair_shares([r.num_uncomputed for r in candidates], budget)):
+        needs = [r.num_uncomputed if r.status == RequestStatus.RUNNING else r.num_tokens - self._cached_tokens(r)
+                 for r in candidates]
+        for req, num_new in zip(candidates, fair_shares(needs, budget)):
             if num_new == 0:
                 continue
             if req.status == RequestStatus.RUNNING:
@@ -177,14 +186,36 @@ class Scheduler:
                     self.blocks.append(req.request_id, num_new)
                     out.scheduled.append(ScheduledRequest(req, num_new, False))
                 continue
-            if self.waiting[0] is not req or not self.blocks.can_allocate(num_new):
+            # looked up again: an admission before this one in the step may have evicted part of it
+            cached = self._cached_blocks(req)
+            if self.waiting[0] is not req or not self.blocks.can_allocate(num_new, cached) \
+                    or self._prefix_in_prefill(req, len(cached)):
                 break  # admission is in arrival order
             self.waiting.popleft()
-            self.blocks.allocate(req.request_id, num_new)
+            self.blocks.allocate(req.request_id, num_new, cached)
+            req.num_computed_tokens = len(cached) * self.blocks.block_size
+            self.blocks.count_lookup(req.num_tokens, req.num_computed_tokens)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.draft = None
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, False))
+
+    def _prefix_in_prefill(self, req: Request, num_cached: int) -> bool:
+        """Whether a running request still prefilling its prompt starts with the block after `req`'s
+        cached ones (so `req` would compute it a second time beside it, instead of mapping it later)."""
+        if not self.blocks.enable_caching or not req.uses_prefix_cache or len(req.block_hashes) <= num_cached:
+            return False
+        h = req.block_hashes[num_cached]
+        return any(r.status == RequestStatus.RUNNING and r.num_computed_tokens < len(r.prompt_token_ids)
+                   and len(r.block_hashes) > num_cached and r.block_hashes[num_cached] == h for r in self.running)
+
+    def _cached_blocks(self, req: Request) -> list[int]:
+        return self.blocks.cached_prefix(req.all_token_ids, req.block_hashes) if req.uses_prefix_cache else []
+
+    def _cached_tokens(self, req: Request) -> int:
+        return len(self._cached_blocks(req)) * self.blocks.block_size
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request and free its blocks."""

@@ -54,6 +54,9 @@ class ServerConfig:
     api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none: no CORS headers
     chat_template: str | None = None  # a Jinja chat template replacing the model's own (--chat-template)
+    # a stream's reader that leaves this many updates unread for this long is stopped (async_engine.py)
+    stream_buffer: int = 64
+    stream_stall_timeout_s: float = 30.0
 
 
 class ClientGone(Exception):
@@ -61,7 +64,7 @@ class ClientGone(Exception):
 
 
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    engine = AsyncEngine(llm.engine, config.max_queue)
+    engine = AsyncEngine(llm.engine, config.max_queue, config.stream_buffer, config.stream_stall_timeout_s)
     metrics = ServerMetrics(engine)
     tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
     drain = Drain(config.shutdown_timeout_s)
@@ -323,7 +326,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        reason = f"engine failed: {engine.error!r}" if engine.error else "shutting down"
+        reason = f"engine failed: {engine.death_reason}" if engine.error else "shutting down"
         return APIError(503, reason, "service_unavailable").response()
 
     @app.get("/metrics")

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specfleet.engine.async_engine import EngineUnavailableError, QueueFullError
+from specfleet.engine.async_engine import (EngineUnavailableError, QueueFullError, RequestFailedError,
+                                           StreamStalledError)
 from specfleet.errors import InvalidRequestError
 
 logger = logging.getLogger("specfleet.server")
@@ -56,6 +57,10 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), "service_unavailable", code="engine_unavailable")
+    if isinstance(exc, RequestFailedError):  # logged by the engine thread, with its traceback
+        return APIError(500, str(exc), "server_error", code="engine_step_failed")
+    if isinstance(exc, StreamStalledError):  # sent in-band (the stream's status line is out); 408 in /metrics
+        return APIError(408, str(exc), "timeout_error", code="stream_stalled")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=getattr(exc, "param", None) or _param_of(str(exc)))
     logger.error("unexpected error while serving a request", exc_info=exc)

@@ -100,10 +100,36 @@ class _EngineCollector(Collector):
                     self.engine.num_queued)
         yield gauge("specfleet_queue_capacity", "Most requests that may wait before 429", self.engine.max_queue)
         yield gauge("specfleet_kv_blocks_total", "KV cache blocks of the target", snap.num_blocks)
-        yield gauge("specfleet_kv_blocks_free", "Free KV cache blocks of the target", snap.num_free_blocks)
+        yield gauge("specfleet_kv_blocks_free", "KV cache blocks of the target that no running request holds "
+                    "(free, or cached prefixes evicted on demand)", snap.num_free_blocks)
         usage = 1.0 - snap.num_free_blocks / snap.num_blocks if snap.num_blocks else 0.0
-        yield gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV blocks in use", usage)
+        yield gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV blocks held by running requests", usage)
+        yield gauge("specfleet_prefix_cache_blocks", "KV blocks registered in the prefix cache (held or not)",
+                    snap.num_cached_blocks)
+        yield CounterMetricFamily("specfleet_prefix_cache_queried_tokens",
+                                  "Tokens of admitted requests looked up in the prefix cache",
+                                  value=snap.prefix_queried_tokens)
+        yield CounterMetricFamily("specfleet_prefix_cache_hit_tokens",
+                                  "Tokens found in the prefix cache (not prefilled again)",
+                                  value=snap.prefix_hit_tokens)
+        hit_rate = snap.prefix_hit_tokens / snap.prefix_queried_tokens if snap.prefix_queried_tokens else 0.0
+        yield gauge("specfleet_prefix_cache_hit_rate", "hit tokens / queried tokens since the start", hit_rate)
+        yield CounterMetricFamily("specfleet_prefix_cache_evictions", "Cached blocks evicted to make room",
+                                  value=snap.prefix_evictions)
+        yield gauge("specfleet_kv_blocks_held", "KV blocks held by live requests (0 when idle, else a leak)",
+                    snap.num_held_blocks)
+        yield gauge("specfleet_engine_requests", "Requests the engine holds (running or waiting)", snap.num_requests)
         yield gauge("specfleet_engine_healthy", "1 while the engine accepts requests", float(self.engine.is_healthy))
+        yield CounterMetricFamily("specfleet_engine_step_failures", "Engine steps whose batch failed; their "
+                                  "requests were stopped and the engine went on", value=snap.num_step_failures)
+        yield CounterMetricFamily("specfleet_engine_failed_requests", "Requests stopped by a failed engine step",
+                                  value=snap.num_failed_requests)
+        yield CounterMetricFamily("specfleet_stalled_streams", "Streams stopped because the client read too "
+                                  "slowly (--stream-stall-timeout)", value=self.engine.num_stalled_streams)
+        yield CounterMetricFamily("specfleet_spec_draft_failures", "Proposer calls that raised (their requests "
+                                  "went on by plain decoding)", value=s.num_draft_failures)
+        yield CounterMetricFamily("specfleet_spec_draft_fallback_requests", "Requests that a proposer failure "
+                                  "turned to plain decoding", value=s.num_draft_fallbacks)
         yield CounterMetricFamily("specfleet_engine_steps", "Engine steps (target forward passes)",
                                   value=snap.num_engine_steps)
         yield CounterMetricFamily("specfleet_spec_steps", "Verification steps (decode passes)", value=s.num_steps)

@@ -157,13 +157,15 @@ class DeltaText:
         return best
 
 
-def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, int]:
+def usage(outs: list[RequestOutput], n: int = 1, skip_tokens: int = 0) -> dict[str, Any]:
     """Usage of a response whose choices are `n` samples of each prompt in turn: each prompt counted once
     (its samples share it, as at OpenAI), every choice's tokens (less the `skip_tokens` of an echo with
-    max_tokens=0)."""
+    max_tokens=0); `prompt_tokens_details.cached_tokens` are the prompt tokens the prefix cache served."""
     n_prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
     n_out = sum(max(0, len(out.token_ids) - skip_tokens) for out in outs)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    cached = sum((out.metrics or {}).get("num_cached_tokens", 0) for out in outs[::n])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def spec_block(out: RequestOutput) -> dict[str, Any]:
@@ -171,7 +173,9 @@ def spec_block(out: RequestOutput) -> dict[str, Any]:
     m = out.metrics
     return {"steps": m.get("steps", 0), "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
             "mean_accepted_length": m.get("mean_accepted_length", 0.0),
-            "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {})}
+            "acceptance_rate": m.get("acceptance_rate", 0.0), "drafts_used": m.get("drafts_used", {}),
+            # proposer calls for this request that raised; > 0: it went on by plain decoding (same output)
+            "draft_failures": m.get("draft_failures", 0)}
 
 
 # -- log-probabilities ------------------------------------------------------------------------------

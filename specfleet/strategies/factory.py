@@ -53,6 +53,7 @@ class SpecConfig:
     top_children: int = 1  # > 1: a best-first tree with this branching
     max_nodes: int = 16  # tree node budget
     draft_kv_cache_bytes: int = 512 << 20  # per draft model
+    prefix_caching: bool = True  # draft models' caches reuse cached prefixes, as the target's does
     vote: VoteConfig = field(default_factory=VoteConfig)
     length: LengthConfig = field(default_factory=LengthConfig)
     selector: SelectorConfig = field(default_factory=SelectorConfig)
@@ -175,7 +176,7 @@ class _Builder:
     def _model_draft(self, node: Node, label: str) -> Proposer:
         spec = self.spec
         cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes,
-                               spec.draft_kv_cache_bytes)
+                               spec.draft_kv_cache_bytes, prefix_caching=spec.prefix_caching)
         # `quant` picks the draft's weight format (runtime/quant.py): it changes acceptance, never the output
         options = {k: v for k, v in node.options.items() if k != "quant"}
         cfg = apply_options(cfg, options, f"draft model {node.name!r}", MODEL_ALIASES)
