@@ -21,7 +21,10 @@ from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
 from specfleet.runtime.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
+from specfleet.drafting.grammar_draft import GrammarDraftProposer
+from specfleet.runtime.grammar import compiler_for
 from specfleet.strategies.factory import SpecConfig, build_proposer
+from specfleet.strategies.grammar_front import grammar_front
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # The default draft of the default model, per device. On the CPU, weightless drafts (d ~ 0) win: the 0.5B
@@ -49,7 +52,8 @@ class LLM:
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
                  mixed_step_factor: float | None = 2.0, quantization: str | None = "auto",
-                 enable_prefix_caching: bool = True, _model: DecoderLM | None = None, _tokenizer=None):
+                 enable_prefix_caching: bool = True, grammar_draft: bool = True, _model: DecoderLM | None = None,
+                 _tokenizer=None):
         """`quantization` applies to the target and every draft model (a draft may override it with
         `[quant=...]`, see strategies/grammar.py); speculation is lossless against the target as loaded:
         - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
@@ -64,7 +68,10 @@ class LLM:
         `mixed_step_factor` keeps a step that mixes prompt chunks with other requests to about that many
         decode steps' time (measured; None: only the budget bounds it). `enable_prefix_caching` keeps the
         KV of finished requests' full blocks and maps it into later requests that start with the same
-        tokens (a chat's next turn, an agent's system prompt), for the target and every draft model."""
+        tokens (a chat's next turn, an agent's system prompt), for the target and every draft model.
+        `grammar_draft` puts the grammar draft in front of the drafts for requests with
+        `structured_outputs` (strategies/grammar_front.py; `draft=None` turns speculation off altogether,
+        the grammar draft included)."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
@@ -91,6 +98,9 @@ class LLM:
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes, prefix_caching=enable_prefix_caching)
         proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
                                   quantization=self.quantization, target_tokenizer=self.tokenizer)
+        if grammar_draft and self.tokenizer is not None:
+            tokenizer, vocab = self.tokenizer, self.model.config.vocab_size
+            proposer = grammar_front(proposer, GrammarDraftProposer(lambda: compiler_for(tokenizer, vocab)))
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                               max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))

@@ -4,6 +4,11 @@
 log-softmax of its logits, before temperature, top-k and top-p, as vLLM reports them): None (the
 default) computes nothing; n >= 0 gives each token's own log-probability plus its n most likely
 alternatives (at most MAX_LOGPROBS).
+
+`structured_outputs` constrains the output to a JSON schema, any JSON object, a regular expression, one
+of a list of strings, or a grammar (vLLM's `StructuredOutputsParams`, same field names). The target's
+logits are masked by the grammar before temperature, top-k and top-p, at every row speculation verifies,
+so speculative output is exactly constrained decoding's (runtime/grammar.py).
 """
 from __future__ import annotations
 
@@ -13,6 +18,66 @@ from dataclasses import dataclass, field
 from specfleet.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the output; exactly one of `json`, `json_object`, `regex`, `choice`, `grammar`.
+
+    json                a JSON schema (a dict, or its JSON text)
+    json_object         True: any JSON object
+    regex               the whole output matches this regular expression (Rust `regex` syntax)
+    choice              the output is one of these strings
+    grammar             a context-free grammar: llguidance's Lark syntax, or GBNF (llama.cpp's; told
+                        apart by its `::=`), converted to Lark
+    strict              JSON schemas: True refuses a schema keyword the engine does not implement;
+                        False ignores such keywords (OpenAI's `strict: false`)
+    disable_any_whitespace  JSON: True (the default here, unlike vLLM) writes JSON as `json.dumps` does,
+                        `{"a": 1, "b": [2, 3]}`: a fixed layout keeps small models from looping on
+                        whitespace, and the grammar draft can draft the schema's fixed text; False
+                        allows any whitespace between tokens
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    strict: bool = True
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, list) else self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if self._given(k))
+
+    def _given(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is True if name == "json_object" else value is not None
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(f"invalid structured_outputs: {msg}")
+
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if self._given(k)]
+        if len(given) != 1:
+            bad(f"give exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad(f"json must be a JSON schema (an object, or its text), got {type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            bad("regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            bad("grammar must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            bad("choice must be a non-empty list of non-empty strings")
+        if not isinstance(self.json_object, bool) or not isinstance(self.strict, bool) \
+                or not isinstance(self.disable_any_whitespace, bool):
+            bad("json_object, strict and disable_any_whitespace must be booleans")
 
 
 @dataclass
@@ -27,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,3 +130,5 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
                 bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from specfleet.server.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, FunctionCall, FunctionDef,
-                                      MessageToolCall, NamedFunction, NamedToolChoice, StreamOptions, ToolDef)
+                                      JsonSchemaFormat, MessageToolCall, NamedFunction, NamedToolChoice, ResponseFormat,
+                                      StreamOptions, StructuredOutputs, ToolDef)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
 
@@ -42,3 +43,10 @@ def test_every_tool_schema_field_is_documented():
     want = set().union(*(schema.known_fields() for schema in (ToolDef, FunctionDef, MessageToolCall, FunctionCall,
                                                              NamedToolChoice, NamedFunction)))
     assert have == want, f"{DOC.name}'s Tool schemas table: missing {sorted(want - have)}, extra {sorted(have - want)}"
+
+
+def test_every_structured_output_field_is_documented():
+    have = listed(section("Structured output schemas", 3))
+    want = set().union(*(schema.known_fields() for schema in (ResponseFormat, JsonSchemaFormat, StructuredOutputs)))
+    assert have == want, f"{DOC.name}'s Structured output schemas table: missing {sorted(want - have)}, extra " \
+                         f"{sorted(have - want)}"

@@ -78,11 +78,21 @@ def test_near_miss_inside_an_object(client):
 
 @pytest.mark.parametrize("path,body,param,needle", [
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "use tools and tool_choice"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     "tool_choice", "constrained decoding"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     "structured output"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "g"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.function.name", "not among the request's tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "already constrains the output"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "needs a json_schema object"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "guided_regex", "give one output constraint"),
+    ("/v1/completions", {**OK, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one of"),
+    ("/v1/completions", {**OK, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
+    ("/v1/completions", {**OK, "guided_json": {}}, None, "needs the model's tokenizer"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "out of range"),
     ("/v1/completions", {**OK, "logprobs": 21}, "logprobs", "out of range"),
@@ -97,7 +107,6 @@ def test_near_miss_inside_an_object(client):
      "needs the tool_call_id"),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ x }}"}, "chat_template", "--chat-template"),
     ("/v1/completions", {**OK, "min_p": 0.1}, "min_p", "min_p is not supported"),
-    ("/v1/completions", {**OK, "guided_json": {}}, "guided_json", "guided decoding"),
 ])
 def test_known_unsupported_fields_keep_their_400(client, path, body, param, needle):
     r = client.post(path, json=body)

@@ -21,6 +21,7 @@ from specfleet.engine.stop import StopChecker
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.block_manager import BlockManager
+from specfleet.runtime.grammar import GrammarCompiler, compiler_for
 from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_runner import ModelRunner
@@ -75,6 +76,7 @@ class Engine:
         self.stats = SpecStats()
         self.executor = StepExecutor(self.runner, self.blocks, self.stop_checker, self.stats, self._finish)
         self._ids = itertools.count()
+        self.grammars: GrammarCompiler | None = None  # built on the first constrained request (grammar_compiler)
 
     # -- request lifecycle -----------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -84,6 +86,15 @@ class Engine:
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            self.grammar_compiler().grammar(params.structured_outputs)  # an invalid grammar is the request's error
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The grammar engine for this model's tokenizer (runtime/grammar.py), built on first use."""
+        if self.grammars is None:
+            self.grammars = compiler_for(self.tokenizer, self.model.config.vocab_size,
+                                         sorted(self.stop_checker.eos_token_ids))
+        return self.grammars
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
@@ -93,6 +104,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         generator = None if params.is_greedy else make_generator(params.seed, self.device)
         req = Request(request_id, list(prompt_token_ids), params, generator)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_compiler().matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

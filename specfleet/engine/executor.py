@@ -126,6 +126,8 @@ class StepExecutor:
 
     @staticmethod
     def _verify(req: Request, tree: DraftTree, rows: torch.Tensor) -> VerifyResult:
+        if req.grammar is not None:  # each row masked by the grammar after its path (runtime/grammar.py)
+            rows = req.grammar.mask_rows(tree, rows)
         if req.params.is_greedy:
             return verify_greedy(tree, rows.argmax(-1).tolist())  # host sync: one per request per step
         return verify_sampled(tree, target_probs(rows, req.params), req.generator)
@@ -149,6 +151,8 @@ class StepExecutor:
             if self.stop_checker.append(req, tok, origin):
                 break
         num_accepted = min(len(path), num_emitted)
+        if req.grammar is not None:
+            req.grammar.advance(tokens[:num_emitted])
         if is_decode:  # the prefill's first token is not a speculation step (see core/stats.py)
             proposer = tree.origins[0] if len(tree) else None
             req.stats.record_step(len(tree), num_accepted, num_emitted, proposer)

@@ -22,6 +22,7 @@ from specfleet.outputs import TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
+from specfleet.runtime.grammar import Matcher
 
 
 class PromptError(InvalidRequestError):
@@ -82,6 +83,7 @@ class Request:
     # filled only when params.logprobs / params.prompt_logprobs ask for them (engine/executor.py)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: Matcher | None = None  # params.structured_outputs' state, fed the committed tokens (executor)
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:

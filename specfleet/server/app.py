@@ -149,12 +149,16 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if total > config.max_queue:
             raise APIError(400, f"this request asks for {total} choices ({len(prompts)} prompt(s) x n={req.n}); "
                                 f"at most {config.max_queue} fit the queue", param="n")
+        structured = None
+        if serving.is_constrained(req):  # checked here, so an invalid grammar is a 400 before the response
+            # starts; the first one builds the grammar engine's view of the tokenizer (seconds): off the loop
+            structured = await tokenize(lambda: serving.structured_outputs(req, llm.engine.grammar_compiler()))
         plans = []
         for i, ids in enumerate(prompts):
             serving.check_prompt(ids, vocab, max_len)
             for j in range(req.n):
                 plans.append((i, ids, serving.sampling_params(req, max_tokens, len(ids), max_len, specials,
-                                                              default_max_tokens, sample=j)))
+                                                              default_max_tokens, sample=j, structured=structured)))
         response_id = serving.new_request_id(kind)
         choices: list[Choice] = []
         try:

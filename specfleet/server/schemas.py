@@ -6,12 +6,14 @@ already use, which send fields of newer API versions, keep working; docs/compati
 - a field this server does not know is accepted and ignored (the app logs its name once and counts
   it in /metrics), unless its name is a near miss of a known field (`max_token`, `temprature`,
   `maxTokens`): that is a 400 naming the field it probably meant;
-- fields OpenAI or vLLM define that we do not implement (response_format, penalties, guided
-  decoding, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
+- fields OpenAI or vLLM define that we do not implement (penalties, beam search, ...) are accepted only at their no-op value; anything else gets a 400 saying it is
   unsupported, never a silent ignore (see `Unsupported`);
 - an explicit `null` in any optional top-level field means "use the default", as at OpenAI (whose
   official client sends null for a keyword argument passed as None); required fields stay required;
-- `top_k`, `ignore_eos`, `stop_token_ids` and `chat_template_kwargs` are extensions, as in vLLM.
+- `top_k`, `ignore_eos`, `stop_token_ids` and `chat_template_kwargs` are extensions, as in vLLM;
+- structured output: OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+  object and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields, at most
+  one of them per request (`structured_spec`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specfleet.errors import InvalidRequestError
-from specfleet.sampling_params import MAX_LOGPROBS
+from specfleet.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 # Stop strings are bounded by their total length, not their number (OpenAI allows 4): the engine
 # scans each new token's text for every stop string and the stream holds back prefixes of them, so
@@ -66,8 +68,6 @@ _OLD_FUNCTIONS = "the deprecated functions / function_call form is not supported
 # fields of the OpenAI API (and of vLLM's extensions to it) that we know and do not implement,
 # shared by both endpoints; each model adds its own in `_unsupported`
 _SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
-    "response_format": Unsupported("structured output (json_object, json_schema) is not supported; "
-                                   "leave it unset or {\"type\": \"text\"}", ({"type": "text"},)),
     "min_p": Unsupported("min_p is not supported; leave it at 0", (0, 0.0)),
     "repetition_penalty": Unsupported("repetition_penalty is not supported; leave it at 1", (1, 1.0)),
     "min_tokens": Unsupported("min_tokens is not supported; leave it at 0", (0,)),
@@ -77,9 +77,9 @@ _SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
     "skip_special_tokens": Unsupported("special tokens are always skipped in the output", (True,)),
     "spaces_between_special_tokens": Unsupported("special tokens are always skipped in the output", (True,)),
     "prompt_logprobs": Unsupported("prompt_logprobs are not supported"),
-    **{name: Unsupported(f"{name} (guided decoding) is not supported")
-       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                    "structured_outputs")},
+    "guided_whitespace_pattern": Unsupported("a custom whitespace pattern is not supported; JSON is written "
+                                             "with json.dumps' separators (structured_outputs."
+                                             "disable_any_whitespace=false allows any whitespace)"),
     # cannot change what is generated here: accepted whatever their value
     "metadata": _ignored("stored completions are not kept"),
     "store": _ignored("stored completions are not kept"),
@@ -164,6 +164,47 @@ class StreamOptions(_Strict):
                                                           (False,))}
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema, as OpenAI's clients send it (`.parse()` sends strict=true)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # true: a schema keyword the engine does not implement is a 400
+
+    @classmethod
+    def known_fields(cls) -> set[str]:
+        return (set(cls.model_fields) - {"schema_"}) | {"schema"}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    _unsupported = {"structural_tag": Unsupported("structural tags are not supported")}
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` request field (its StructuredOutputsParams): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # None: true here (json.dumps' layout), unlike vLLM
+    _unsupported = {
+        "structural_tag": Unsupported("structural tags are not supported"),
+        "whitespace_pattern": Unsupported("a custom whitespace pattern is not supported"),
+        "disable_fallback": _ignored("there is one grammar engine (llguidance) and no fallback"),
+        "disable_additional_properties": Unsupported("additionalProperties is enforced as the schema says",
+                                                     (False,)),
+    }
+
+    @classmethod
+    def known_fields(cls) -> set[str]:
+        return (set(cls.model_fields) - {"json_"}) | {"json"} | set(cls._unsupported)
+
+
 class _SamplingFields(_Strict):
     model: str | None = None  # optional: a single-model server serves its model either way
     max_tokens: int | None = None  # None: the endpoint's default (DEFAULT_COMPLETION_TOKENS, or the context)
@@ -182,6 +223,14 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # structured output (at most one of these; `structured_spec`)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted for "auto", "guidance", "llguidance"
     _unsupported = _SAMPLING_UNSUPPORTED
 
     @field_validator("*", mode="before")
@@ -212,6 +261,51 @@ class _SamplingFields(_Strict):
                                            f"{MAX_STOP_CHARS} are allowed")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedError("stream_options", "stream_options is only allowed with stream=true")
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise UnsupportedError("guided_decoding_backend", f"guided_decoding_backend "
+                                                              f"{self.guided_decoding_backend!r} is not available: "
+                                                              f"the one grammar engine here is llguidance ('guidance')")
+        self.structured_spec()
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever one field gives it (a 400 for two)."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", _spec("response_format", json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            js = rf.json_schema
+            if js is None:
+                raise UnsupportedError("response_format.json_schema", "response_format of type json_schema needs "
+                                                                      "a json_schema object {name, schema, strict}")
+            found.append(("response_format", _spec("response_format.json_schema",
+                                                    **({"json_object": True} if js.schema_ is None else
+                                                       {"json": js.schema_}), strict=bool(js.strict))))
+        so = self.structured_outputs
+        if so is not None:
+            given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                       ("grammar", so.grammar), ("json_object", so.json_object or None))
+                     if v is not None}
+            extra = {} if so.disable_any_whitespace is None else {"disable_any_whitespace": so.disable_any_whitespace}
+            found.append(("structured_outputs", _spec("structured_outputs", **given, **extra)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _spec(name, **{key: value})))
+        if len(found) > 1:
+            raise UnsupportedError(found[1][0], f"give one output constraint, not {found[0][0]} and {found[1][0]}")
+        return found[0][1] if found else None
+
+
+def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
+    """A StructuredOutputsParams, or a 400 naming `param` (its checks: one kind, the right types)."""
+    if "choice" in fields and fields["choice"] is not None:
+        fields["choice"] = tuple(fields["choice"])
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequestError as e:
+        raise UnsupportedError(param, str(e)) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -304,7 +398,7 @@ class FunctionDef(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; given to the chat template as it is
-    strict: bool | None = None  # accepted; nothing is enforced while generating (no grammar engine)
+    strict: bool | None = None  # accepted; a forced call's arguments always follow `parameters`
 
 
 class ToolDef(_Strict):
@@ -361,11 +455,27 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         for i, m in enumerate(self.messages):
             m.check(f"messages.{i}")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            what = "'required'" if self.tool_choice == "required" else "a named function"
-            raise UnsupportedError("tool_choice", f"tool_choice {what} is not supported: forcing a call needs "
-                                                  f"constrained decoding, which this server does not have yet; "
-                                                  f"use 'auto' (the model decides) or 'none'")
+        if self.forced_tools() is not None and self.structured_spec() is not None:
+            raise UnsupportedError("tool_choice", "a forced tool call (tool_choice 'required' or a named function) "
+                                                  "already constrains the output; drop the response_format / "
+                                                  "structured output field or use tool_choice 'auto'")
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools one of which the reply must call (tool_choice "required": any; a named function: that
+        one), or None when the model decides."""
+        choice = self.tool_choice
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return None
+        if not self.tools:
+            raise UnsupportedError("tool_choice", "tool_choice 'required' or a named function needs tools")
+        defs = [t.model_dump(exclude_none=True) for t in self.tools]
+        if choice == "required":
+            return defs
+        named = [d for d in defs if d["function"]["name"] == choice.function.name]
+        if not named:
+            raise UnsupportedError("tool_choice.function.name", f"tool_choice names {choice.function.name!r}, which "
+                                                                f"is not among the request's tools")
+        return named[:1]
 
     def active_tools(self) -> list[dict[str, Any]] | None:
         """The tools the model is shown (and whose calls are parsed): none with tool_choice "none"."""

@@ -15,7 +15,9 @@ from typing import Any, Mapping
 from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
 from specfleet.outputs import RequestOutput, TokenLogprob
-from specfleet.sampling_params import SamplingParams
+from specfleet.runtime.grammar import GrammarCompiler
+from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
+from specfleet.server import tools
 from specfleet.server.errors import APIError
 from specfleet.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -66,12 +68,13 @@ def split_stops(stops: list[str], specials: Mapping[str, int]) -> tuple[list[str
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     num_prompt_tokens: int, max_model_len: int,
                     specials: Mapping[str, int] | None = None, default_max_tokens: int | None = None,
-                    sample: int = 0) -> SamplingParams:
+                    sample: int = 0, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams. Without max_tokens: `default_max_tokens`, or less where the
     context has less room (the client did not ask for that number, so it is no reason for a 400);
     None: the rest of the context. `sample` numbers the n samples of one prompt: sample j of a seeded
     request is seeded with seed + j (so sample 0 is what n=1 gives). max_tokens=0 (echo only) runs one
-    token, which the response leaves out."""
+    token, which the response leaves out. `structured` is the request's output constraint
+    (`structured_outputs`)."""
     room = max_model_len - num_prompt_tokens
     if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
         max_tokens = 1
@@ -94,7 +97,30 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         prompt_logprobs = None
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
                           max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
-                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          structured_outputs=structured)
+
+
+def is_constrained(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return req.structured_spec() is not None or (isinstance(req, ChatCompletionRequest)
+                                                 and req.forced_tools() is not None)
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       compiler: GrammarCompiler) -> StructuredOutputsParams | None:
+    """The request's output constraint, checked by the model's grammar compiler (an invalid one raises
+    InvalidRequestError, a 400): a forced tool call's grammar, or its structured-output field. Grammar
+    work (the compiler's first use builds its view of the tokenizer, seconds): not for the event loop."""
+    spec = req.structured_spec()
+    if isinstance(req, ChatCompletionRequest):
+        forced = req.forced_tools()
+        if forced is not None:
+            # a named function is called once (as vLLM does); "required" may call several with parallel_tool_calls
+            spec = tools.forced_call_grammar(forced, req.parallel_tool_calls and req.tool_choice == "required",
+                                             compiler.literal)
+    if spec is not None:
+        compiler.grammar(spec)
+    return spec
 
 
 class DeltaText:

@@ -11,9 +11,11 @@ so far is the Hermes / Qwen2.5 one, which any template that mentions `<tool_call
 one block per call (a block may also hold a JSON list of calls). Text before the first block is the
 message's content. Small models often drop the tags (Qwen2.5-Coder-0.5B answers "weather in Paris?"
 with a bare `{"name": "get_weather", "arguments": {"city": "Paris"}}`): a message that is nothing but
-such a call (or a JSON list of them), naming one of the request's tools, is taken as a call too. Nothing is enforced while generating (there is no grammar engine yet), so what the
-model writes is taken as it is: a block that is not a JSON call leaves the whole text as content, and
-`tool_choice: "required"` or a named function are refused rather than hoped for.
+such a call (or a JSON list of them), naming one of the request's tools, is taken as a call too. With
+`tool_choice: "auto"` what the model writes is taken as it is: a block that is not a JSON call leaves the
+whole text as content. `tool_choice: "required"` or a named function are enforced by a grammar
+(`forced_call_grammar`): the reply is one call block (several with parallel_tool_calls) in exactly the
+syntax above, naming one of the allowed tools, with arguments that follow its `parameters` schema.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from specfleet.runtime.grammar import COMPACT_JSON, close_objects, lark_string
+from specfleet.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.S)
@@ -127,3 +132,32 @@ def tool_call_prefix_len(text: str) -> int:
         if text.endswith(TOOL_CALL_START[:k]):
             return k
     return 0
+
+
+def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool,
+                        literal: Callable[[str], str] = lark_string) -> StructuredOutputsParams:
+    """A Lark grammar (llguidance's) for a reply that calls one of `tool_defs` (OpenAI tool objects):
+
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+
+    with `parallel`, one or more such blocks, one per line. The tags are written by `literal` (the grammar
+    compiler's, GrammarCompiler.literal), so a tokenizer that has them as single tokens (Qwen2.5) must
+    write those tokens; the arguments follow the
+    tool's `parameters` JSON schema (any object without one; no keys beyond its `properties` unless it
+    allows them, runtime/grammar.close_objects), laid out as json.dumps lays it out."""
+    calls = []
+    rules = []
+    for i, tool in enumerate(tool_defs):
+        fn = tool["function"]
+        schema = close_objects(fn.get("parameters") or {"type": "object"})
+        schema["x-guidance"] = {**COMPACT_JSON, "lenient": True}
+        head = "\n{\"name\": " + json.dumps(fn["name"], ensure_ascii=False) + ", \"arguments\": "
+        calls.append(f"call_{i}")
+        rules.append(f"call_{i}: {literal(TOOL_CALL_START)} {lark_string(head)} args_{i} "
+                     f"{lark_string('}' + chr(10))} {literal(TOOL_CALL_END)}")
+        rules.append(f"args_{i}: %json " + json.dumps(schema, ensure_ascii=False))
+    call = "call: " + " | ".join(calls)
+    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    return StructuredOutputsParams(grammar="\n".join([start, call, *rules]))

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specfleet.core.model_ref import ModelRef
+from specfleet.runtime.grammar import compiler_for
 from specfleet.errors import InvalidRequestError
 from specfleet.drafting import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
 from specfleet.core.proposer import leaves
 from specfleet.strategies.grammar import MODEL_ALIASES, Node, NodeKind, apply_options, leaf_names, parse
 from specfleet.drafting.cross_vocab import cross_vocab_draft
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.grammar_draft import GRAMMAR_ORIGIN, GrammarDraftConfig, GrammarDraftProposer
 from specfleet.strategies.fleet import FleetConfig, FleetProposer
 from specfleet.strategies.length import LengthConfig, LengthController
 from specfleet.drafting.ngram_model import NgramConfig, NgramModel, NgramProposer
@@ -154,6 +156,12 @@ class _Builder:
             return PromptLookupProposer(cfg, name=label if opts else "prompt-lookup")
         if name == "suffix":
             return SuffixProposer(apply_options(SuffixConfig(), opts, name, SUFFIX_ALIASES), name=label)
+        if name == GRAMMAR_ORIGIN:
+            if self.target_tokenizer is None:
+                raise InvalidRequestError("the grammar draft needs the target's tokenizer")
+            cfg = apply_options(GrammarDraftConfig(), opts, name, {"k": "max_tokens"})
+            tokenizer, vocab = self.target_tokenizer, self.vocab
+            return GrammarDraftProposer(lambda: compiler_for(tokenizer, vocab), cfg, name=label)
         if name == "ngram":
             cfg = apply_options(replace(spec.ngram, num_speculative_tokens=spec.num_speculative_tokens), opts, name,
                                 MODEL_ALIASES)
