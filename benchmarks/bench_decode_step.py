@@ -3,7 +3,7 @@ llama.cpp (llama-cpp-python) on the same file as the reference.
 
 Systems, measured in rounds that alternate between them (the machine may be shared, so only figures
 from the same rounds compare; medians over rounds are printed with ratios):
-- `fused`: this tree's native layer path (runtime/model.py `_forward_native`, csrc/q_fused.c);
+- `fused`: this tree's native layer path (runtime/native_forward.py, csrc/q_fused.c);
 - `modules`: this tree with `model.FUSED_NATIVE = False` (the module-by-module forward);
 - `base`: another source tree (`--base-src DIR`, e.g. an earlier commit unpacked with
   `git archive <commit> | tar -x -C DIR`), run in a subprocess with DIR first on PYTHONPATH;

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import specfleet.engine.executor as engine_module
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.weights import load_weights
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer, load_tokenizer
@@ -151,7 +152,7 @@ def permuted_model(hf, perm: list[int]) -> DecoderLM:
         moved[index] = sd[key]
         sd[key] = moved
     ours = DecoderLM(ModelConfig.from_hf_dict(hf.config.to_dict()))
-    ours.load_weights(sd)
+    load_weights(ours, sd)
     return ours.eval()
 
 

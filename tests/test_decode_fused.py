@@ -1,4 +1,4 @@
-"""The fused decode path of native GGUF models (csrc/q_fused.c, runtime/model.py `_forward_native`):
+"""The fused decode path of native GGUF models (csrc/q_fused.c, runtime/native_forward.py):
 each native call against a float64 reference, at every tail, and row for row the same whatever the
 number of rows in the call; the whole model against its module-by-module forward; and speculation
 still lossless through it (verification rows attend in C exactly as their decode steps do)."""
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels
 from specfleet.runtime import model as model_mod  # noqa: E402
 from specfleet.runtime.attention import AttentionBatch, SeqAttention, _attend  # noqa: E402
 from specfleet.runtime.step_plan import KeyPlan, native_attend  # noqa: E402
+from specfleet.runtime.native_forward import native_lib  # noqa: E402
 from specfleet.runtime.qlinear import QLinear  # noqa: E402
 from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, quantize_activations  # noqa: E402
 from test_qkernels import dense64, random_blocks  # noqa: E402
@@ -200,7 +201,7 @@ def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(na
 
     engine = make_engine(native_tiny)
     ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
-    assert native_tiny._native_lib(torch.tensor(ids), engine.runner.kv) is not None
+    assert native_lib(native_tiny, torch.tensor(ids), engine.runner.kv) is not None
 
     def logits(fused: bool):
         monkeypatch.setattr(model_mod, "FUSED_NATIVE", fused)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specfleet.distill.cli import add_distill_parser
+from specfleet.runtime.weights import load_weights
 from specfleet.distill.data import (Example, append_continuations, generate_continuations, read_continuations,
                                     select_vocab, to_sequences)
 from specfleet.distill.evaluate import agreement, greedy_labels
@@ -123,7 +124,7 @@ def test_reduced_head_export_has_the_training_distribution(hf_target):
     spec = make_spec(target_cfg, target_cfg, "target", 1, vocab_size=40)
     student = build_student(spec, torch.arange(0, 200, 5), weights, target_cfg)
     exported = DecoderLM(spec.model_config())
-    exported.load_weights(student.export_weights(torch.float32))
+    load_weights(exported, student.export_weights(torch.float32))
     ids = torch.tensor(random_prompts([10], VOCAB))
     with torch.no_grad():
         hidden = causal_forward(student.body, ids)[0]

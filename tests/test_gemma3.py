@@ -34,6 +34,7 @@ from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.loader import load_checkpoint
 from specfleet.runtime.model_config import FULL, SLIDING, ModelConfig
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+from specfleet.runtime.native_forward import native_lib
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
@@ -216,7 +217,7 @@ def test_bf16_forward_is_close_to_fp32(ours):
 
 def test_native_fused_decode_is_not_used_for_gemma(ours):
     kv = KVCache.allocate(ours.config, 4, 4, torch.float32, torch.device("cpu"))
-    assert ours._native_lib(torch.tensor([1]), kv) is None
+    assert native_lib(ours, torch.tensor([1]), kv) is None
 
 
 # ------------------------------------------------------------------------------------------------

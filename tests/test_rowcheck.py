@@ -10,6 +10,7 @@ from specfleet.bench.rowcheck import RowChecker, RowReport, check_engine_run
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.runtime import model as model_mod
+from specfleet.runtime.native_forward import native_lib
 from specfleet.runtime import qtensor
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
@@ -29,7 +30,7 @@ def smollm2():
 
     path = real_model_path("smollm2-135m-instruct")
     model, tok = load_model(str(path), torch.float32, torch.device("cpu"), quantization="auto")
-    assert model._native_lib(torch.zeros(1, dtype=torch.long), _kv(model)) is not None
+    assert native_lib(model, torch.zeros(1, dtype=torch.long), _kv(model)) is not None
     return model, tok
 
 

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.weights import load_weights
 from specfleet.runtime.model_config import ModelConfig
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,7 +48,7 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrai
 def ours_from_hf(model: transformers.PreTrainedModel) -> DecoderLM:
     cfg = ModelConfig.from_hf_dict(model.config.to_dict())
     ours = DecoderLM(cfg)
-    ours.load_weights(dict(model.state_dict()))
+    load_weights(ours, dict(model.state_dict()))
     return ours.eval()
 
 

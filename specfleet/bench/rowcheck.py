@@ -31,6 +31,7 @@ import torch
 from specfleet.runtime.attention import ROWWISE_ROWS
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+from specfleet.runtime.native_forward import native_lib
 
 
 @dataclass
@@ -153,7 +154,7 @@ class RowChecker:
         """'native' when the model runs its decoder layers in C over the step's key plan, else 'module'."""
         from specfleet.runtime import model as model_mod
 
-        if not model_mod.FUSED_NATIVE or self.model._native_lib(torch.zeros(1, dtype=torch.long), self.runner.kv) is None:
+        if not model_mod.FUSED_NATIVE or native_lib(self.model, torch.zeros(1, dtype=torch.long), self.runner.kv) is None:
             return "module"
         return "native"
 

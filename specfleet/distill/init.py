@@ -20,6 +20,7 @@ import torch
 
 from specfleet.distill.student import Student, StudentSpec
 from specfleet.errors import SpecfleetError
+from specfleet.runtime.weights import load_weights
 from specfleet.runtime.model_config import ModelConfig
 
 INIT_STD = 0.02
@@ -144,7 +145,7 @@ def _copy_layers(student: Student, weights: dict[str, torch.Tensor], layer_ids: 
             if name.startswith(src):
                 hf[dst + name[len(src):]] = t.float()
         _prune_mlp(hf, dst, cfg.intermediate_size)
-    student.body.load_weights(hf)
+    load_weights(student.body, hf)
 
 
 def _prune_mlp(hf: dict[str, torch.Tensor], prefix: str, keep: int) -> None:

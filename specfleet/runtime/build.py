@@ -6,6 +6,7 @@ import torch
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.weights import install_quantized, load_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -37,8 +38,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
                 device: torch.device) -> DecoderLM:
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    model.install_quantized(weights)  # GGUF-format weights replace their layers before anything is allocated
+    install_quantized(model, weights)  # GGUF-format weights replace their layers before anything is allocated
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(weights)
+    load_weights(model, weights)
     model.init_rotary(device)
     return model.eval().requires_grad_(False)
