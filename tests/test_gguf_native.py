@@ -150,7 +150,7 @@ def test_draft_quant_option_and_llm_quantization_modes(tiny_gguf):
     assert plain.model.quantization == "gguf"  # the default on the CPU for a GGUF file
     spec = LLM(str(path), f"{path}[quant=q4_0]", dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
                _model=plain.model, _tokenizer=plain.tokenizer)
-    draft = leaves(spec.engine.proposer)[0].model
+    draft = next(leaf for leaf in leaves(spec.engine.proposer) if hasattr(leaf, "model")).model  # past the grammar draft
     assert draft.quantization == "q4_0" and draft.layers[0].mlp.gate_up_proj.formats == ["Q4_0"]
     want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want
