@@ -88,7 +88,8 @@ class LLM:
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes)
         proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
-                                  quantization=self.quantization, target_tokenizer=self.tokenizer)
+                                  quantization=self.quantization, target_tokenizer=self.tokenizer,
+                                  target_model=self.model)
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                               max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))

@@ -22,6 +22,7 @@ from specfleet.outputs import TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
+from specfleet.core.features import FeatureLog
 
 
 class PromptError(InvalidRequestError):
@@ -79,6 +80,8 @@ class Request:
     # filled only when params.logprobs / params.prompt_logprobs ask for them (engine/executor.py)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # the target's hidden features of the committed tokens, when the proposer reads them (core/features.py)
+    target_features: FeatureLog | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
