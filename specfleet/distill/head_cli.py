@@ -36,11 +36,17 @@ def add_draft_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--draft-vocab", type=int, default=16384, help="rows of the head's reduced vocabulary")
     t.add_argument("--intermediate", type=int, default=2048, help="MLP width of the head's layer")
-    t.add_argument("--depth", type=int, default=2, help="training-time-test passes (deeper draft tokens)")
+    t.add_argument("--depth", type=int, default=1,
+                   help="training-time-test passes (2: also trained on its own predicted features, at twice the cost)")
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--batch-windows", type=int, default=4)
+    t.add_argument("--batch-windows", type=int, default=1,
+                   help="windows (of up to 512 tokens) per optimizer step: on a CPU few steps happen at all, so small")
     t.add_argument("--eval-prompts", type=int, default=20, help="HumanEval prompts of the evaluation set (0: none)")
-    t.add_argument("--eval-every-min", type=float, default=5.0)
+    t.add_argument("--eval-every-min", type=float, default=8.0)
+    t.add_argument("--candidates", type=int, default=2048,
+                   help="training's softmax: the batch's labels and this many most frequent tokens (0: all)")
+    t.add_argument("--grow-data", action="store_true",
+                   help="reread DATA after every epoch (an extraction running beside training adds to it)")
     t.set_defaults(func=run_draft_train)
     return p
 
@@ -68,7 +74,8 @@ def run_draft_train(args) -> int:
     print(f"features: {manifest['tokens']} tokens in {manifest['seconds'] / 60:.1f} min of extraction")
     cfg = TrainConfig(draft_vocab=args.draft_vocab, intermediate=args.intermediate, lr=args.lr,
                       batch_windows=args.batch_windows, depth=args.depth, time_budget_s=args.minutes * 60,
-                      eval_every_s=args.eval_every_min * 60, device=args.device)
+                      eval_every_s=args.eval_every_min * 60, device=args.device, candidates=args.candidates,
+                      grow_data=args.grow_data)
     head = train(model, data / "train", data / "run", cfg, eval_dir=data / "eval-humaneval" if args.eval_prompts else None,
                  resume=args.resume)
     curve = data / "run" / "curve.jsonl"

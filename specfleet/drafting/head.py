@@ -100,9 +100,15 @@ class FeatureHead(nn.Module):
 
     # -- pieces ------------------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        """cos, sin [..., D] of `positions`, from a table grown on demand (not a buffer: not saved)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            size = max(need, 4096, 2 * (0 if table is None else table[0].shape[0]))
+            freqs = torch.arange(size, dtype=torch.float32, device=positions.device)[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._rope_table = (emb.cos(), emb.sin())
+        return table[0][positions], table[1][positions]
 
     def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
         """Input rows [..., H] -> (residual x, q [..., heads, D], k, v [..., kv_heads, D])."""
@@ -116,17 +122,19 @@ class FeatureHead(nn.Module):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return x, rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual x and attention output [..., heads, D] -> (predicted feature f^, reduced logits)."""
+    def finish(self, x: torch.Tensor, attn: torch.Tensor,
+               lm_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual x and attention output [..., heads, D] -> (predicted feature f^, reduced logits, or
+        with `lm_rows` only those rows' logits: training's candidate softmax)."""
         x = x + self.o(attn.flatten(-2))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)
         f = self.final_norm(x)
-        return f, self.lm(f)
+        return f, self.lm(f) if lm_rows is None else F.linear(f, self.lm.weight[lm_rows])
 
     # -- training: parallel over sequences, with EAGLE-3's training-time test ----------------------
-    def forward_passes(self, emb: torch.Tensor, feats: torch.Tensor, depth: int = 1,
-                       noise: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_passes(self, emb: torch.Tensor, feats: torch.Tensor, depth: int = 1, noise: float = 0.0,
+                       lm_rows: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """emb, feats [B, T, H] (row j: t_{j+1} and f_j). Pass 1 reads the real features; pass m > 1
         reads at row j the feature pass m-1 predicted at row j-1 and attends to the real keys up to
         j-m+1 and to pass p's key at row j-(m-p): exactly what drafting the m-th token of a chain sees.
@@ -162,7 +170,7 @@ class FeatureHead(nn.Module):
             o = w[..., :t] @ v1
             for i, vp in enumerate(extra_v):
                 o = o + w[..., t + i:t + i + 1] * vp
-            f, logits = self.finish(x, o.transpose(1, 2))
+            f, logits = self.finish(x, o.transpose(1, 2), lm_rows)
             outs.append((f, logits))
             feat_in = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
         return outs
@@ -177,43 +185,48 @@ class FeatureHead(nn.Module):
         x, q, k, v = self.project(emb, feat, positions)
         outs = []
         row = 0
-        g = cfg.num_heads // cfg.num_kv_heads
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // kvh
+        scale = d ** -0.5
         for cache, n in zip(caches, counts):
             cache.append(k[row:row + n], v[row:row + n])
-            kk, vv = cache.view()
-            qq = q[row:row + n].transpose(0, 1)  # [heads, n, D]
-            kk = kk.repeat_interleave(g, dim=1).transpose(0, 1)
-            vv = vv.repeat_interleave(g, dim=1).transpose(0, 1)
+            kk, vv = cache.view()  # [kv_heads, T, D]
             total = kk.shape[1]
-            mask = torch.ones(n, total, dtype=torch.bool).tril_(total - n)
-            outs.append(F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1))
+            # grouped-query attention without copying the keys: the g query heads of a key head side by side
+            qg = q[row:row + n].view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+            scores = torch.bmm(qg, kk.transpose(1, 2)) * scale  # [kv_heads, g * n, T]
+            if n > 1:
+                mask = torch.ones(n, total, dtype=torch.bool).tril_(total - n).repeat(g, 1)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.bmm(scores.softmax(-1), vv)  # [kv_heads, g * n, D]
+            outs.append(o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, kvh * g, d))
             row += n
-        return self.finish(x, torch.cat(outs))
+        return self.finish(x, torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
 class HeadCache:
-    """One request's keys and values for the head's single layer, grown by doubling."""
+    """One request's keys and values for the head's single layer ([kv_heads, T, D]), grown by doubling."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int = 256):
-        self.k = torch.empty(capacity, kv_heads, head_dim)
-        self.v = torch.empty(capacity, kv_heads, head_dim)
+        self.k = torch.empty(kv_heads, capacity, head_dim)
+        self.v = torch.empty(kv_heads, capacity, head_dim)
         self.n = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v [n, kv_heads, D]
         need = self.n + k.shape[0]
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0])
+        if need > self.k.shape[1]:
+            cap = max(need, 2 * self.k.shape[1])
             for name in ("k", "v"):
                 old = getattr(self, name)
-                new = torch.empty(cap, *old.shape[1:])
-                new[:self.n] = old[:self.n]
+                new = torch.empty(old.shape[0], cap, old.shape[2])
+                new[:, :self.n] = old[:, :self.n]
                 setattr(self, name, new)
-        self.k[self.n:need] = k
-        self.v[self.n:need] = v
+        self.k[:, self.n:need] = k.transpose(0, 1)
+        self.v[:, self.n:need] = v.transpose(0, 1)
         self.n = need
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:self.n], self.v[:self.n]
+        return self.k[:, :self.n], self.v[:, :self.n]
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
