@@ -45,6 +45,8 @@ def add_draft_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--eval-every-min", type=float, default=8.0)
     t.add_argument("--candidates", type=int, default=2048,
                    help="training's softmax: the batch's labels and this many most frequent tokens (0: all)")
+    t.add_argument("--ls-init", type=float, default=1e-4,
+                   help="start fc as a ridge-regression fit with this relative ridge (negative: random start)")
     t.add_argument("--grow-data", action="store_true",
                    help="reread DATA after every epoch (an extraction running beside training adds to it)")
     t.set_defaults(func=run_draft_train)
@@ -75,7 +77,7 @@ def run_draft_train(args) -> int:
     cfg = TrainConfig(draft_vocab=args.draft_vocab, intermediate=args.intermediate, lr=args.lr,
                       batch_windows=args.batch_windows, depth=args.depth, time_budget_s=args.minutes * 60,
                       eval_every_s=args.eval_every_min * 60, device=args.device, candidates=args.candidates,
-                      grow_data=args.grow_data)
+                      grow_data=args.grow_data, ls_init=None if args.ls_init < 0 else args.ls_init)
     head = train(model, data / "train", data / "run", cfg, eval_dir=data / "eval-humaneval" if args.eval_prompts else None,
                  resume=args.resume)
     curve = data / "run" / "curve.jsonl"
