@@ -35,6 +35,8 @@ def add_draft_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu", help="cpu | cuda (training only; features come from the CPU runtime)")
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--draft-vocab", type=int, default=16384, help="rows of the head's reduced vocabulary")
+    t.add_argument("--vocab-files", type=int, default=None,
+                   help="standard-library files tokenized to choose the reduced vocabulary (default: all)")
     t.add_argument("--intermediate", type=int, default=2048, help="MLP width of the head's layer")
     t.add_argument("--depth", type=int, default=1,
                    help="training-time-test passes (2: also trained on its own predicted features, at twice the cost)")
@@ -78,8 +80,11 @@ def run_draft_train(args) -> int:
                       batch_windows=args.batch_windows, depth=args.depth, time_budget_s=args.minutes * 60,
                       eval_every_s=args.eval_every_min * 60, device=args.device, candidates=args.candidates,
                       grow_data=args.grow_data, ls_init=None if args.ls_init < 0 else args.ls_init)
+    from specfleet.distill.head_data import token_counts
+
+    counts = None if args.resume else token_counts(tok, args.vocab_files)
     head = train(model, data / "train", data / "run", cfg, eval_dir=data / "eval-humaneval" if args.eval_prompts else None,
-                 resume=args.resume)
+                 resume=args.resume, extra_counts=counts)
     curve = data / "run" / "curve.jsonl"
     last = json.loads(curve.read_text().splitlines()[-1]) if curve.is_file() else {}
     meta = {"feature_tokens": manifest["tokens"], "extract_minutes": round(manifest["seconds"] / 60, 1),

@@ -238,3 +238,20 @@ def humaneval_eval_set(model, tokenizer, out: Path, num_prompts: int = 20, max_n
     manifest["continuation_starts"] = [len(i) for i in ids]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def token_counts(tokenizer, max_files: int | None = None, seed: int = 0) -> "Counter":
+    """Token frequencies over the standard library's sources (tokenizing only: cheap), to choose a head's
+    reduced vocabulary from far more text than the features cover. (With the vocabulary chosen from 8k
+    feature tokens, 9.3 % of the 1.5B's greedy tokens on HumanEval fell outside it.)"""
+    from collections import Counter
+
+    files = stdlib_files()
+    random.Random(seed).shuffle(files)
+    counts: Counter = Counter()
+    for path in files[:max_files]:
+        try:
+            counts.update(tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return counts

@@ -61,7 +61,9 @@ def draft_vocabulary(labels: torch.Tensor, tokens: torch.Tensor, size: int, voca
     counts += torch.bincount(tokens.long(), minlength=vocab_size).double()
     if extra_counts:
         ids = torch.tensor(list(extra_counts.keys()), dtype=torch.long)
-        counts.index_add_(0, ids, torch.tensor(list(extra_counts.values()), dtype=torch.double) * 0.1)
+        extra = torch.tensor(list(extra_counts.values()), dtype=torch.double)
+        # as a share of the feature tokens' total, so the larger corpus decides where the features are thin
+        counts.index_add_(0, ids, extra * (float(counts.sum()) / float(extra.sum())))
     counts += torch.linspace(1e-6, 0, vocab_size, dtype=torch.double)  # ties: lower ids (earlier merges) first
     size = min(size, vocab_size)
     return torch.topk(counts, size).indices.sort().values
