@@ -97,7 +97,8 @@ class LLM:
         self.draft_name = draft
         spec = SpecConfig(num_speculative_tokens, top_children, max_nodes, prefix_caching=enable_prefix_caching)
         proposer = build_proposer(draft, spec, self.model.config.vocab_size, self.dtype, self.device,
-                                  quantization=self.quantization, target_tokenizer=self.tokenizer)
+                                  quantization=self.quantization, target_tokenizer=self.tokenizer,
+                                  target_model=self.model)
         if grammar_draft and self.tokenizer is not None:
             tokenizer, vocab = self.tokenizer, self.model.config.vocab_size
             proposer = grammar_front(proposer, GrammarDraftProposer(lambda: compiler_for(tokenizer, vocab)))

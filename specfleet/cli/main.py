@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from specfleet.bench.cli import add_bench_parser
     from specfleet.distill.cli import add_distill_parser
+    from specfleet.distill.head_cli import add_draft_parser
 
     add_serve_parser(sub)
     add_ngram_parser(sub)
     add_bench_parser(sub)
     add_distill_parser(sub)
+    add_draft_parser(sub)
 
     args = parser.parse_args(argv)
     # the loader reports one-time conversions at INFO; a minute of silence would look like a hang

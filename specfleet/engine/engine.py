@@ -12,6 +12,7 @@ import time
 import torch
 
 from specfleet.config import EngineConfig
+from specfleet.core.features import reads_features
 from specfleet.core.proposer import Proposer
 from specfleet.core.stats import SpecStats
 from specfleet.engine.executor import StepExecutor
@@ -75,6 +76,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self.executor = StepExecutor(self.runner, self.blocks, self.stop_checker, self.stats, self._finish)
+        self.runner.keep_hidden = reads_features(proposer)  # a draft head reads the target's features
         self._ids = itertools.count()
         self.grammars: GrammarCompiler | None = None  # built on the first constrained request (grammar_compiler)
 

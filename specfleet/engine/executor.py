@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from specfleet.core.features import FeatureLog
 from specfleet.core.proposer import Feedback
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
@@ -50,13 +51,20 @@ class StepExecutor:
             prompt_rows.append(n_prompt_rows)
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [rows, vocab]
+        hidden = self.runner.last_hidden  # every row's final hidden state, when a proposer reads them
+        offsets = [0]
+        for it in items:
+            offsets.append(offsets[-1] + len(it.token_ids))
         outputs, feedback, row = [], [], 0
         emitting = [s for s in sched.scheduled if s.completes_sequence]
-        for s, n_prompt_rows in zip(sched.scheduled, prompt_rows):
+        for i, (s, n_prompt_rows) in enumerate(zip(sched.scheduled, prompt_rows)):
+            start = s.request.num_computed_tokens
             if n_prompt_rows:
                 self._record_prompt_logprobs(s.request, logits[row:row + n_prompt_rows])
                 row += n_prompt_rows
             if not s.completes_sequence:  # a prompt chunk that stops short of the end: nothing to emit
+                if hidden is not None:
+                    _put_features(s.request, start, hidden[offsets[i]:offsets[i + 1]])
                 s.request.num_computed_tokens += s.num_new_tokens
                 self._register(s.request)
                 continue
@@ -67,6 +75,10 @@ class StepExecutor:
             result = self._verify(s.request, tree, rows)
             num_before = len(s.request.output_token_ids)
             fb = self._commit(s, tree, result)
+            if hidden is not None:  # the verified prefix's rows, then the accepted nodes' rows
+                n = s.num_new_tokens
+                keep = list(range(n)) + [n + j for j in result.accepted_nodes]
+                _put_features(s.request, start, hidden[offsets[i]:offsets[i + 1]][keep])
             if s.request.params.logprobs is not None:
                 self._record_logprobs(s.request, rows, result.accepted_nodes,
                                       len(s.request.output_token_ids) - num_before)
@@ -183,6 +195,12 @@ class StepExecutor:
                              list(req.output_origins), req.is_finished, req.finish_reason, metrics,
                              None if req.logprobs is None else list(req.logprobs),
                              None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+
+
+def _put_features(req: Request, position: int, rows: torch.Tensor) -> None:
+    if req.target_features is None:
+        req.target_features = FeatureLog()
+    req.target_features.put(position, rows)
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:

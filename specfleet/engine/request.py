@@ -23,6 +23,7 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
 from specfleet.runtime.grammar import Matcher
+from specfleet.core.features import FeatureLog
 
 
 class PromptError(InvalidRequestError):
@@ -84,6 +85,8 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     grammar: Matcher | None = None  # params.structured_outputs' state, fed the committed tokens (executor)
+    # the target's hidden features of the committed tokens, when the proposer reads them (core/features.py)
+    target_features: FeatureLog | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:

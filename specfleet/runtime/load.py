@@ -38,6 +38,7 @@ def load_model(name_or_path: str | ModelRef, dtype: torch.dtype, device: torch.d
     if mode in BLOCK_FORMATS:
         model.quantization = mode
     quantize_model(model, mode)
+    model.source_path = str(path)  # the file it came from (a draft head is found and hash-checked by it)
     tokenizer = None
     if with_tokenizer:
         from transformers import AutoTokenizer

@@ -64,6 +64,10 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self._block_offsets = torch.arange(kv.block_size, device=device)
+        # keep_hidden: the last forward's final hidden states (after the final norm, every row, in input
+        # order) stay in `last_hidden`, for proposers that read the target's features (drafting/head.py)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def _request_kv(self, block_ids: list[int], length: int) -> slice | torch.Tensor:
         """The cache rows of a request's first `length` tokens: a slice (a view, nothing copied) when
@@ -100,6 +104,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, batch, self.kv)
+        self.last_hidden = hidden if self.keep_hidden else None
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
 

@@ -20,6 +20,7 @@ from specfleet.strategies.grammar import MODEL_ALIASES, Node, NodeKind, apply_op
 from specfleet.drafting.cross_vocab import cross_vocab_draft
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.grammar_draft import GRAMMAR_ORIGIN, GrammarDraftConfig, GrammarDraftProposer
+from specfleet.drafting.head import HeadDraftConfig, HeadProposer
 from specfleet.strategies.fleet import FleetConfig, FleetProposer
 from specfleet.strategies.length import LengthConfig, LengthController
 from specfleet.drafting.ngram_model import NgramConfig, NgramModel, NgramProposer
@@ -42,6 +43,8 @@ DEFAULT_HEAD_VOCAB = 65536
 LoadModel = Callable[..., object]  # (name, quantization=None) -> model
 LOOKUP_NAMES = ("prompt-lookup", "lookup")
 LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
+HEAD_NAME = "head"  # the feature-conditioned draft head trained for the target (drafting/head.py)
+HEAD_ALIASES = {"k": "num_speculative_tokens"}
 SUFFIX_ALIASES = {"k": "max_depth", "nodes": "max_nodes", "global": "use_global"}  # `global` is a Python keyword
 
 
@@ -62,19 +65,22 @@ class SpecConfig:
 
 
 def build_proposer(draft: str | None, spec: SpecConfig, target_vocab_size: int, dtype: torch.dtype,
-                   device: torch.device, quantization: str | None = None, target_tokenizer=None) -> Proposer | None:
-    """`target_tokenizer` lets a draft model of another vocabulary draft through text (drafting/cross_vocab.py)."""
+                   device: torch.device, quantization: str | None = None, target_tokenizer=None,
+                   target_model=None) -> Proposer | None:
+    """`target_tokenizer` lets a draft model of another vocabulary draft through text (drafting/cross_vocab.py);
+    `target_model` is what a draft head (`head`, drafting/head.py) reads its embeddings from and is found by."""
     if draft is None or draft.strip().lower() in ("", "none"):
         return None
     node = parse(draft)
     return build(node, spec, ModelCache(dtype, device, leaf_names(node), quantization), target_vocab_size, device,
-                 target_tokenizer)
+                 target_tokenizer, target_model)
 
 
 def build(spec_text: str | Node, spec: SpecConfig, load_model: LoadModel, target_vocab_size: int | None = None,
-          device: torch.device | str = "cpu", target_tokenizer=None) -> Proposer:
+          device: torch.device | str = "cpu", target_tokenizer=None, target_model=None) -> Proposer:
     node = parse(spec_text) if isinstance(spec_text, str) else spec_text
-    return _Builder(spec, load_model, target_vocab_size, torch.device(device), target_tokenizer).build(node)
+    return _Builder(spec, load_model, target_vocab_size, torch.device(device), target_tokenizer,
+                    target_model).build(node)
 
 
 def layer_cut(model, num_layers: int):
@@ -130,9 +136,10 @@ def _guess(raw: str):
 
 class _Builder:
     def __init__(self, spec: SpecConfig, load_model: LoadModel, vocab: int | None, device: torch.device,
-                 target_tokenizer=None):
+                 target_tokenizer=None, target_model=None):
         self.spec, self.load_model, self.vocab, self.device = spec, load_model, vocab, device
         self.target_tokenizer = target_tokenizer
+        self.target_model = target_model
         self.shared: dict[str, Proposer] = {}  # canonical leaf text -> proposer
         self.ngram_models: dict[tuple, NgramModel] = {}
 
@@ -154,6 +161,13 @@ class _Builder:
             cfg = apply_options(PromptLookupConfig(spec.num_speculative_tokens, num_branches=spec.top_children),
                                 opts, name, LOOKUP_ALIASES)
             return PromptLookupProposer(cfg, name=label if opts else "prompt-lookup")
+        if name == HEAD_NAME:
+            if self.target_model is None:
+                raise InvalidRequestError("the draft head reads the target's features and embeddings; "
+                                          "build it with the target model (LLM does)")
+            cfg = apply_options(HeadDraftConfig(max(spec.num_speculative_tokens, HeadDraftConfig.num_speculative_tokens)),
+                                opts, name, HEAD_ALIASES)
+            return HeadProposer.for_target(self.target_model, cfg, name=label)
         if name == "suffix":
             return SuffixProposer(apply_options(SuffixConfig(), opts, name, SUFFIX_ALIASES), name=label)
         if name == GRAMMAR_ORIGIN:
@@ -200,7 +214,7 @@ class _Builder:
 
     def _staged(self, node: Node) -> Proposer:
         inner = node.children[0]
-        if inner.kind != NodeKind.LEAF or inner.name in LOOKUP_NAMES or inner.name in ("ngram", *registered_names()):
+        if inner.kind != NodeKind.LEAF or inner.name in LOOKUP_NAMES or inner.name in ("ngram", HEAD_NAME, *registered_names()):
             raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
                                       f"follow a model name, as in qwen-0.5b+ngram")
         # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path, max_entries)

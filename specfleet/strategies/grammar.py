@@ -11,7 +11,8 @@ Grammar (whitespace is ignored; names are letters, digits and `_ . @ / ~ : -`):
 
 A NAME is a built-in draft (`prompt-lookup` or `lookup`; `ngram`, the backoff n-gram model; `suffix`,
 suffix-trie drafting over the request's own text and recent outputs; `grammar`, the tokens a request's
-structured-output grammar forces, `grammar[k=16]`, drafting/grammar_draft.py), a
+structured-output grammar forces, `grammar[k=16]`, drafting/grammar_draft.py; `head`, the feature-conditioned
+draft head trained for the target by `specfleet draft train`, options HeadDraftConfig: k, min_prob, path), a
 registered proposer, or a model: a registered name (`qwen-0.5b`), `MODEL@N` (its first N layers) or a
 checkpoint path. A model whose tokenizer differs from the target's (`smollm2-135m-instruct` for a Qwen
 target) is detected at build time and drafts through text (drafting/cross_vocab.py); not with +ngram. Options set the fields of the matching config dataclass (DraftModelConfig for a
