@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_servers import free_port, start  # one way to start a server and wait for it (this folder)
 
 QUESTIONS = ["What does this module do? Answer in two sentences.",
              "Write a short usage example of its main function.",
@@ -34,32 +34,10 @@ QUESTIONS = ["What does this module do? Answer in two sentences.",
              "Summarise our conversation in one sentence."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model: str, draft: str, caching: bool, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("specfleet")), "serve", "--model", model, "--port", str(port),
-           "--draft", draft]
-    if not caching:
-        cmd.append("--no-prefix-caching")
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("server did not become ready in 10 minutes")
+def start_specfleet(model: str, draft: str, caching: bool, log: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [str(Path(sys.executable).with_name("specfleet")), "serve", "--model", model, "--port", str(free_port()),
+           "--draft", draft] + ([] if caching else ["--no-prefix-caching"])
+    return start(cmd, log)
 
 
 def long_message(url: str, context: int) -> str:
@@ -118,7 +96,7 @@ def main() -> int:
     logdir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     for caching in (True, False):
         name = "cache on" if caching else "cache off"
-        proc, url = start(args.model, args.draft, caching, logdir / f"{name.replace(' ', '-')}.log")
+        proc, url = start_specfleet(args.model, args.draft, caching, logdir / f"{name.replace(' ', '-')}.log")
         try:
             first = first or long_message(url, args.context)
             runs[name] = run_conversation(url, args.model, first, args.turns, args.max_tokens)
