@@ -255,12 +255,16 @@ class DraftModelProposer:
         parents: list[int] = []
         scores: list[float] = []  # cumulative log-probability
         paths: list[list[int]] = []
-        frontier = [(-1, 0.0, torch.log_softmax(root_logits.float(), -1))]
+        frontier = [(-1, 0.0)]
+        logps = torch.log_softmax(root_logits.float(), -1)[None]  # [frontier, vocab]
         for depth in range(1, cfg.num_speculative_tokens + 1):
             cands = []
-            for node, score, logp in frontier:
-                top = torch.topk(logp, cfg.top_children)
-                cands.extend((score + float(v), node, int(t)) for v, t in zip(top.values, top.indices))
+            top = torch.topk(logps, cfg.top_children, dim=-1)
+            # values and ids of the whole level in one host transfer (float64 holds both exactly)
+            host = torch.cat([top.values.double(), top.indices.double()], dim=1).tolist()
+            for (node, score), row in zip(frontier, host):
+                vals, ids = row[:cfg.top_children], row[cfg.top_children:]
+                cands.extend((score + v, node, int(t)) for v, t in zip(vals, ids))
             cands.sort(key=lambda c: -c[0])
             level = cands[:cfg.top_children]  # the beam of this level
             first_new = len(tokens)
@@ -281,7 +285,8 @@ class DraftModelProposer:
             # a depth-d node is the d-th token after the committed ones: position base + d - 1, as in a chain
             positions = [base + len(paths[first_new + i]) - 1 for i in range(n_new)]
             out = self.forward([ForwardItem(rid, tokens[first_new:], ctx, list(range(n_new)), positions, mask)])
-            frontier = [(first_new + i, scores[first_new + i], torch.log_softmax(out[i], -1)) for i in range(n_new)]
+            frontier = [(first_new + i, scores[first_new + i]) for i in range(n_new)]
+            logps = torch.log_softmax(out.float(), -1)
         # keep the best max_nodes nodes; shallower first on ties so ancestors always survive
         order = sorted(range(len(tokens)), key=lambda j: (-scores[j], len(paths[j]), j))[:cfg.max_nodes]
         keep = sorted(order, key=lambda j: (len(paths[j]), j))  # parents before children

@@ -57,6 +57,9 @@ class StepExecutor:
             offsets.append(offsets[-1] + len(it.token_ids))
         outputs, feedback, row = [], [], 0
         emitting = [s for s in sched.scheduled if s.completes_sequence]
+        # every greedy request's argmax in one host transfer per step (not one per request)
+        argmax = logits.argmax(-1).tolist() if any(
+            s.request.params.is_greedy and s.request.grammar is None for s in emitting) else None
         for i, (s, n_prompt_rows) in enumerate(zip(sched.scheduled, prompt_rows)):
             start = s.request.num_computed_tokens
             if n_prompt_rows:
@@ -71,8 +74,8 @@ class StepExecutor:
             tree = s.request.draft if s.with_draft else EMPTY_TREE
             s.request.draft = None  # a draft is verified once; the next step gets a fresh one
             rows = logits[row:row + len(tree) + 1]
+            result = self._verify(s.request, tree, rows, argmax and argmax[row:row + len(tree) + 1])
             row += len(tree) + 1
-            result = self._verify(s.request, tree, rows)
             num_before = len(s.request.output_token_ids)
             fb = self._commit(s, tree, result)
             if hidden is not None:  # the verified prefix's rows, then the accepted nodes' rows
@@ -137,11 +140,12 @@ class StepExecutor:
         req.logprobs.extend(token_logprobs(rows[row_ids], tokens, req.params.logprobs))
 
     @staticmethod
-    def _verify(req: Request, tree: DraftTree, rows: torch.Tensor) -> VerifyResult:
+    def _verify(req: Request, tree: DraftTree, rows: torch.Tensor, argmax: list[int] | None) -> VerifyResult:
+        """`argmax`: the rows' argmax, read for the whole step at once (greedy requests without a grammar)."""
         if req.grammar is not None:  # each row masked by the grammar after its path (runtime/grammar.py)
             rows = req.grammar.mask_rows(tree, rows)
         if req.params.is_greedy:
-            return verify_greedy(tree, rows.argmax(-1).tolist())  # host sync: one per request per step
+            return verify_greedy(tree, argmax if req.grammar is None and argmax else rows.argmax(-1).tolist())
         return verify_sampled(tree, target_probs(rows, req.params), req.generator)
 
     def _commit(self, s: ScheduledRequest, tree: DraftTree, result: VerifyResult) -> Feedback:

@@ -20,7 +20,9 @@ triangle only) or with the tree mask. A mask over the whole [n*G, context + n] r
 built, and no score matrix of that size is materialized. Worked example of the merge: if a query's
 scores over the context have log-sum-exp a and output o_a, and over the new tokens b and o_b, then
 attention over both is (e^a o_a + e^b o_b) / (e^a + e^b) = w o_a + (1 - w) o_b with
-w = sigmoid(a - b). Elsewhere (CUDA) one masked SDPA call per request does the whole attention.
+w = sigmoid(a - b). On CUDA one batch-invariant kernel call per layer attends every row of the step over the
+keys of its key plan (runtime/cuda_kernels.py), as the C attention does on the CPU for native models; with
+the CUDA kernels off, one masked SDPA call per request does the whole attention.
 
 Sliding-window layers (Gemma-3): a query sees only the last `window` of the keys it would otherwise
 see, itself included. A query's visible keys, in cache order, are one token per position 0..p (its
@@ -58,6 +60,8 @@ class SeqAttention:
     new_mask: torch.Tensor | None = None  # [query, query] bool among the new tokens; None = causal
     context_mask: torch.Tensor | None = None  # [query, context] bool; None = the whole context is visible
     host_mask: torch.Tensor | None = None  # new_mask as the runner built it on the CPU (read without a device sync)
+    host_context_mask: np.ndarray | None = None  # context_mask's host copy
+    host_rows: np.ndarray | None = None  # when `kv` is gathered indices: their host copy (int64)
     _bias: dict = field(default_factory=dict, repr=False)  # additive masks folded per group, made once per step
     _row_keys: dict = field(default_factory=dict, repr=False)  # device -> each row's gathered key indices
     _windowed: dict = field(default_factory=dict, repr=False)  # window -> this layout cut to it, made once per step
@@ -120,6 +124,8 @@ class AttentionBatch:
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     seqs: list[SeqAttention]
+    # the step's key plan on the device (runtime/cuda_kernels.DevicePlan), when the CUDA kernels attend
+    plan: object | None = None
 
     @property
     def query_lens(self) -> list[int]:
@@ -140,6 +146,11 @@ def paged_attention(
     window: int | None = None,  # a sliding-window layer: each query sees its last `window` keys only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_kv_heads = k_cache.shape[1]
+    if batch.plan is not None and window is None:  # CUDA: one batch-invariant call for every row of the step
+        from specfleet.runtime import cuda_kernels
+
+        o = cuda_kernels.attend(q, k_cache, v_cache, batch.plan, scale)
+        return o if out is None else out.copy_(o)
     out = torch.empty_like(q) if out is None else out
     start = 0
     for seq in batch.seqs:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specfleet.runtime import cuda_kernels
 from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
 from specfleet.runtime.attention import AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
@@ -42,6 +43,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             return cpu_linear(x, self.weight, self.bias, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS)
+        if cuda_kernels.available(x.device):  # batch-invariant: a verified row is summed as its decode step
+            return cuda_kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -57,6 +60,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and cuda_kernels.available(x.device):  # one program per row, whatever the row count
+            return cuda_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,10 +83,22 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last call
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions` in `dtype`, [T, 1, D]. Every layer of a forward passes the same positions
+        tensor (q and k too), so they are gathered once per forward, not twice per layer (on CUDA, where each
+        operation is a launch, that was a quarter of a decode step of a small model)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype and last[2].device == positions.device:
+            return last[2], last[3]
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        self._last = (positions, dtype, cos, sin)  # holds `positions`, so its identity is not reused meanwhile
+        return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, heads, D]
-        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = self._tables(positions, x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -206,4 +223,6 @@ class DecoderLM(nn.Module):
             weight = weight[:vocab_limit]
         if hidden.device.type == "cpu":
             return cpu_linear(hidden, weight, None, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS).float()
+        if cuda_kernels.available(hidden.device):
+            return cuda_kernels.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()

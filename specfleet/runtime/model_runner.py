@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from specfleet.runtime import cuda_kernels
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.attention import AttentionBatch, SeqAttention
 from specfleet.runtime.kv_cache import KVCache
@@ -63,20 +65,45 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self._block_offsets = torch.arange(kv.block_size, device=device)
         # keep_hidden: the last forward's final hidden states (after the final norm, every row, in input
         # order) stay in `last_hidden`, for proposers that read the target's features (drafting/head.py)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # CUDA: a step's host data (token ids, positions, slots, logit rows, key plan) goes to the device in
+        # one non-blocking copy from this pinned buffer; the event says when the last copy has left it
+        self._cuda = cuda_kernels.available(device)
+        self._staging: torch.Tensor | None = None
+        self._staged: torch.cuda.Event | None = None
 
-    def _request_kv(self, block_ids: list[int], length: int) -> slice | torch.Tensor:
+    def _request_kv(self, block_ids: list[int], length: int) -> tuple[slice | torch.Tensor, np.ndarray | None]:
         """The cache rows of a request's first `length` tokens: a slice (a view, nothing copied) when
-        its blocks are consecutive, else the row indices to gather."""
+        its blocks are consecutive, else the row indices to gather (and their host copy)."""
         first = block_ids[0]
         if all(b == first + i for i, b in enumerate(block_ids)):
-            return slice(first * self.block_size, first * self.block_size + length)
-        bt = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return (bt[:, None] * self.block_size + self._block_offsets).flatten()[:length]
+            return slice(first * self.block_size, first * self.block_size + length), None
+        host = (np.asarray(block_ids, dtype=np.int64)[:, None] * self.block_size
+                + np.arange(self.block_size, dtype=np.int64)).ravel()[:length]
+        return torch.from_numpy(host).to(self.device, non_blocking=True), host
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 host arrays -> device tensors, in one copy (CUDA: from a pinned buffer, not waiting)."""
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if not self._cuda:
+            flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)) if total else \
+                torch.zeros(0, dtype=torch.long)
+            return list(flat.to(self.device).split(sizes))
+        if self._staged is not None and not self._staged.query():
+            self._staged.synchronize()  # the previous step's copy must leave the buffer first (it has, as a rule)
+        if self._staging is None or len(self._staging) < total:
+            self._staging = torch.empty(max(total, 2 * (0 if self._staging is None else len(self._staging)), 4096),
+                                        dtype=torch.long).pin_memory()
+        if total:
+            np.concatenate(arrays, out=self._staging.numpy()[:total])
+        flat = self._staging[:total].to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return list(flat.split(sizes))
 
     def execute(self, items: list[ForwardItem], blocks: BlockManager | None = None) -> torch.Tensor:
         """One forward over all items. Returns fp32 logits [sum of len(logit_indices), vocab] in item order.
@@ -90,46 +117,58 @@ class ModelRunner:
             total = it.context_len + n
             block_ids = it.block_ids if it.block_ids is not None else blocks.block_ids(it.request_id)
             assert len(block_ids) * self.block_size >= total, "slots must be reserved before a forward"
-            kv = self._request_kv(block_ids, total)
+            kv, host_rows = self._request_kv(block_ids, total)
             if isinstance(kv, slice):
-                slot_maps.append(torch.arange(kv.start + it.context_len, kv.stop, device=self.device))
+                slot_maps.append(np.arange(kv.start + it.context_len, kv.stop, dtype=np.int64))
             else:
-                slot_maps.append(kv[it.context_len:])
-            seqs.append(self._seq_attention(it, kv))
+                slot_maps.append(host_rows[it.context_len:])
+            seqs.append(self._seq_attention(it, kv, host_rows))
             input_ids.extend(it.token_ids)
             positions.extend(it.positions if it.positions is not None else range(it.context_len, total))
             logit_rows.extend(offset + j for j in it.logit_indices)
             offset += n
-        batch = AttentionBatch(slot_mapping=torch.cat(slot_maps), seqs=seqs)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        arrays = [np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                  np.concatenate(slot_maps) if slot_maps else np.zeros(0, np.int64),
+                  np.asarray(logit_rows, dtype=np.int64)]
+        batch = AttentionBatch(slot_mapping=None, seqs=seqs)
+        plan = None
+        if self._cuda:  # the kernels read the step's key plan: it travels in the same copy
+            from specfleet.runtime.step_plan import KeyPlan
+
+            plan = KeyPlan.build(batch).arrays()
+        moved = self._upload(arrays + (plan or []))
+        ids, pos, batch.slot_mapping, rows = moved[:4]
+        if plan is not None:
+            batch.plan = cuda_kernels.DevicePlan(dict(zip(cuda_kernels.DevicePlan.FIELDS, moved[4:])))
         hidden = self.model(ids, pos, batch, self.kv)
         self.last_hidden = hidden if self.keep_hidden else None
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
 
-    def _seq_attention(self, it: ForwardItem, kv: slice | torch.Tensor) -> SeqAttention:
+    def _seq_attention(self, it: ForwardItem, kv: slice | torch.Tensor, host_rows: np.ndarray | None) -> SeqAttention:
         """Split the item's mask into its part over the context (None when all of it is visible) and its
         [n, n] part among the new tokens (None when causal)."""
         n, c = len(it.token_ids), it.context_len
         mask = it.new_mask
         if mask is None:
-            return SeqAttention(n, c, kv)
+            return SeqAttention(n, c, kv, host_rows=host_rows)
         host = mask.cpu().numpy()  # masks are built on the host: decisions read this copy, never the device's
-        context_mask = None
+        context_mask = host_context = None
         if host.shape[1] == c + n:
             if not host[:, :c].all():
-                context_mask = torch.from_numpy(host[:, :c].copy()).to(self.device, non_blocking=True)
+                host_context = host[:, :c].copy()
+                context_mask = torch.from_numpy(host_context).to(self.device, non_blocking=True)
             host = host[:, c:]
         host = torch.from_numpy(host.copy())
-        return SeqAttention(n, c, kv, host.to(self.device, non_blocking=True), context_mask, host_mask=host)
+        return SeqAttention(n, c, kv, host.to(self.device, non_blocking=True), context_mask, host_mask=host,
+                            host_context_mask=host_context, host_rows=host_rows)
 
     def commit_path(self, blocks: BlockManager, request_id: str, base: int, path: list[int]) -> None:
         """Keep the KV of an accepted tree path: node j of the tree sits at layout index base + j; the
         path's nodes move to base, base + 1, ... (nothing moves when the path is the first nodes in
         order, as for a chain) and everything after them is truncated."""
         if path != list(range(len(path))):
-            src = torch.tensor([blocks.slot(request_id, base + j) for j in path], device=self.device)
-            dst = torch.tensor([blocks.slot(request_id, base + i) for i in range(len(path))], device=self.device)
+            src, dst = self._upload([np.array([blocks.slot(request_id, base + j) for j in path], dtype=np.int64),
+                                     np.array([blocks.slot(request_id, base + i) for i in range(len(path))],
+                                              dtype=np.int64)])
             self.kv.copy_slots(src, dst)
         blocks.truncate(request_id, base + len(path))

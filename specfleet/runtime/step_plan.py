@@ -73,23 +73,36 @@ class KeyPlan:
         extras.append(np.zeros(1, dtype=np.int64))  # never empty, so its pointer is valid
         return cls(cat(slots), cat(base), cat(plen), cat(xoff), cat(nkeys), cat(extras))
 
+    def arrays(self) -> list[np.ndarray]:
+        return [self.slots, self.base, self.plen, self.xoff, self.nkeys, self.extras]
+
 
 def _slot_rows(seq: SeqAttention) -> np.ndarray:
     kv, total = seq.kv, seq.context_len + seq.query_len
     if isinstance(kv, slice):
         start = kv.start or 0
         return np.arange(start, start + total, dtype=np.int64)
+    if seq.host_rows is not None:
+        return seq.host_rows[:total]
     return kv[:total].to(device="cpu", dtype=torch.int64).numpy()
 
 
 def _visible_keys(seq: SeqAttention, i: int) -> np.ndarray:
     """Layout indices row i sees, in order: visible context rows, then visible new tokens up to itself."""
     c = seq.context_len
-    ctx = (np.arange(c, dtype=np.int64) if seq.context_mask is None
-           else seq.context_mask[i].cpu().numpy().nonzero()[0].astype(np.int64))
+    if seq.context_mask is None:
+        ctx = np.arange(c, dtype=np.int64)
+    else:
+        cm = seq.host_context_mask if seq.host_context_mask is not None else seq.context_mask.cpu().numpy()
+        ctx = cm[i].nonzero()[0].astype(np.int64)
     mask = seq.host_mask if seq.host_mask is not None else seq.new_mask
-    new = (np.arange(i + 1, dtype=np.int64) if mask is None
-           else mask[i, :i + 1].cpu().numpy().nonzero()[0].astype(np.int64))
+    if mask is None:
+        new = np.arange(i + 1, dtype=np.int64)
+    else:
+        row = mask[i, :i + 1]
+        if isinstance(row, torch.Tensor):
+            row = row.cpu().numpy()  # host_mask is on the host already: no copy, no device wait
+        new = row.nonzero()[0].astype(np.int64)
     return np.concatenate([ctx, new + c])
 
 
