@@ -382,7 +382,11 @@ def test_gguf_loads_to_the_reference_weights_and_logits(tmp_path, tmp_cache):
     path = tmp_path / "tiny-gemma.gguf"
     write_gemma_gguf(path, model)
     ckpt = load_checkpoint(path)
-    assert ckpt.config == ModelConfig.from_hf_dict(model.config.to_dict())
+    # the file's EOS, then the control token <|endoftext|> (gguf_loader.END_OF_TEXT: it ends a generation too)
+    from test_loader import tiny_vocab
+
+    eos = [model.config.eos_token_id, tiny_vocab()[0].index("<|endoftext|>")]
+    assert ckpt.config == ModelConfig.from_hf_dict({**model.config.to_dict(), "eos_token_id": eos})
     state = model.state_dict()
     assert set(ckpt.weights) == set(state) - {"lm_head.weight"}
     for name, t in ckpt.weights.items():

@@ -177,7 +177,9 @@ def test_gguf_tensors_config_and_tokenizer_round_trip(tiny_gguf, tmp_cache):
     assert (c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (arch, 2, 4, 2, 16)
     assert c.rope_theta == model.config.rope_parameters["rope_theta"]
     assert c.tie_word_embeddings == (arch == "llama") and c.attention_bias == (arch == "qwen2")
-    assert (c.bos_token_id, c.eos_token_ids) == (model.config.bos_token_id, (model.config.eos_token_id,))
+    # the file names <|im_end|> as EOS; the control token <|endoftext|> ends a generation too (gguf_loader.END_OF_TEXT)
+    end_of_text = tiny_vocab()[0].index("<|endoftext|>")
+    assert (c.bos_token_id, c.eos_token_ids) == (model.config.bos_token_id, (model.config.eos_token_id, end_of_text))
     assert ckpt.folder.parent == tmp_cache / "converted" and ckpt.folder.name.endswith("-float32")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

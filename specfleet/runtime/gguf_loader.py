@@ -165,6 +165,25 @@ def _token_id(reader: GGUFReader, key: str, vocab: int, path: Path) -> int | Non
                          f"{vocab}-token vocabulary")
 
 
+# Control tokens that end a generation whatever the file names as its EOS: Qwen2.5's files name <|im_end|>
+# only, but a raw completion ends with <|endoftext|> (its generation_config lists both, and llama.cpp treats
+# both as end of generation), so without it a completion would run on past the end of its text.
+END_OF_TEXT = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+
+def _end_of_text_controls(reader: GGUFReader) -> list[int]:
+    """Ids of the control tokens (GGUF token type 3) whose text is one of END_OF_TEXT."""
+    types, tokens = reader.fields.get("tokenizer.ggml.token_type"), reader.fields.get("tokenizer.ggml.tokens")
+    if types is None or tokens is None:
+        return []
+    kinds = np.asarray([types.parts[i][0] for i in types.data])
+    out = []
+    for i in np.nonzero(kinds == 3)[0]:
+        if i < len(tokens.data) and bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace") in END_OF_TEXT:
+            out.append(int(i))
+    return out
+
+
 def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
@@ -214,6 +233,7 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
         token_id = _token_id(reader, key, vocab, path)
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(token_id)
+    eos_ids += [t for t in _end_of_text_controls(reader) if t not in eos_ids and t < vocab]
     hf = {
         "model_type": arch,
         "vocab_size": vocab,
