@@ -77,8 +77,13 @@ def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"{cmd[0]} did not become ready")
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+def model_id(url: str) -> str:
+    """The name the server serves its model under (specfleet answers 404 for another name, as OpenAI does)."""
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def one_request(url: str, prompt: str, max_tokens: int, model: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, text, chunks, usage = None, [], 0, None
@@ -101,10 +106,10 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
             "start": t0, "end": t0 + end}
 
 
-def run_pool(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+def run_pool(url: str, prompts: list[str], concurrency: int, max_tokens: int, model: str) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: one_request(url, p, max_tokens, model), prompts))
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "wall_s": round(wall, 3), "tokens": tokens,
@@ -122,6 +127,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
+                    help="send the prompts once more, one at a time (time to first token of cached prompts)")
     args = ap.parse_args()
 
     from specfleet.bench.datasets import iter_prompts, select
@@ -140,17 +147,19 @@ def main() -> int:
             cmd = command(system, gguf, args.model, free_port(), args.llama_server, slots)
             proc, url = start(cmd, logdir / f"{system}-{rnd}.log")
             try:
-                one_request(url, prompts[0][:200], 4)  # warm-up (first forward, kernel build), not timed
+                model = model_id(url)
+                one_request(url, prompts[0][:200], 4, model)  # warm-up (first forward, kernel build), not timed
                 entry = {"round": rnd, "command": " ".join(cmd), "pools": []}
                 for c in args.concurrency:
-                    pool = run_pool(url, prompts, c, args.max_tokens)
+                    pool = run_pool(url, prompts, c, args.max_tokens, model)
                     entry["pools"].append(pool)
                     print(f"round {rnd} {system:20s} c={c:2d}: {pool['aggregate_tok_s']:7.2f} tok/s aggregate, "
                           f"median TTFT {pool['median_ttft_s']:.2f} s", flush=True)
-                repeat = run_pool(url, prompts, 1, args.max_tokens)
-                entry["repeat"] = repeat
-                print(f"round {rnd} {system:20s} repeated prompts: median TTFT {repeat['median_ttft_s']:.2f} s",
-                      flush=True)
+                if args.repeat:
+                    repeat = run_pool(url, prompts, 1, args.max_tokens, model)
+                    entry["repeat"] = repeat
+                    print(f"round {rnd} {system:20s} repeated prompts: median TTFT {repeat['median_ttft_s']:.2f} s",
+                          flush=True)
                 runs[system].append(entry)
             finally:
                 proc.terminate()
@@ -167,7 +176,8 @@ def main() -> int:
             rows.append({"concurrency": c, "system": system, "aggregate tok/s": tok,
                          f"x {ref}": round(tok / ref_tok, 3) if ref_tok else None,
                          "median TTFT s": statistics.median(e["pools"][c_i]["median_ttft_s"] for e in runs[system]),
-                         "repeat TTFT s": statistics.median(e["repeat"]["median_ttft_s"] for e in runs[system])})
+                         "repeat TTFT s": statistics.median(e["repeat"]["median_ttft_s"] for e in runs[system])
+                         if args.repeat else None})
     print(md_table(rows, list(rows[0])))
     base_texts = runs[args.systems[0]][0]["pools"][0]["texts"]
     same = {s: sum(a == b for a, b in zip(base_texts, runs[s][0]["pools"][0]["texts"])) for s in args.systems}
