@@ -168,6 +168,6 @@ def test_real_model_rows_equal_their_decode_steps_on_cuda(real_model, draft):
     outs, report = check_engine_run(eng, prompts, params)
     plain = run_to_completion(Engine(model, tok, EngineConfig(CacheConfig(16, 1 << 30), SchedulerConfig(max_num_seqs=8)),
                                      None, CUDA), prompts, params)
-    assert eng.stats.num_accepted > 0
     assert report.rows_differing == 0, report.as_dict()
+    assert eng.stats.num_drafted > 0 and report.rows_checked > len(prompts) * params.max_tokens
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
