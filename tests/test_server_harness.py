@@ -74,11 +74,12 @@ class ServerProcess:
             raise AssertionError(f"server ignored SIGTERM for {timeout_s}s:\n{self.log_tail()}")
 
 
-def launch_server(*extra_args: str) -> ServerProcess:
-    """Start the server process and return at once; `wait_ready` blocks until it answers /health."""
-    real_model_path(MODEL)  # skips the test (or fails under SPECFLEET_REQUIRE_REAL=1) when not installed
+def launch_server(*extra_args: str, model: str = MODEL) -> ServerProcess:
+    """Start the server process and return at once; `wait_ready` blocks until it answers /health. A later
+    option in `extra_args` overrides the same one in COMMON_ARGS."""
+    real_model_path(model)  # skips the test (or fails under SPECFLEET_REQUIRE_REAL=1) when not installed
     log = Path(tempfile.mkstemp(prefix="specfleet-server-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "specfleet.server", "--model", MODEL, "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "specfleet.server", "--model", model, "--host", "127.0.0.1", "--port", "0",
            "--no-access-log", "--log-level", "warning", *COMMON_ARGS, *extra_args]
     # passive OpenMP waiting: on a shared two-core machine, spinning intra-op threads can make torch
     # ~20x slower on the main thread (measured), where the server loads its model

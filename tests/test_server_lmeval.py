@@ -22,7 +22,7 @@ import pytest
 
 from specfleet.llm import LLM
 from specfleet.sampling_params import SamplingParams
-from test_server_harness import MODEL, ServerProcess, launch_server, stop_server, wait_ready
+from test_server_harness import MODEL as DEFAULT_MODEL, ServerProcess, launch_server, stop_server, wait_ready
 
 if os.environ.get("SPECFLEET_REQUIRE_REAL") == "1":  # CI installs the test extra: there it must run
     import lm_eval
@@ -36,6 +36,11 @@ pytestmark = pytest.mark.real_model
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "tests" / "lmeval_tasks"  # the task YAMLs name their data files relative to REPO
 CONTEXT = 384  # the server's --max-model-len (test_server_harness.COMMON_ARGS)
+# CI runs SmolLM2 with prompt lookup; SPECFLEET_LMEVAL_MODEL=qwen-1.5b SPECFLEET_LMEVAL_DRAFT=default runs the same
+# checks on the embedded 1.5B with its default speculation (minutes, not in CI)
+MODEL = os.environ.get("SPECFLEET_LMEVAL_MODEL", DEFAULT_MODEL)
+DRAFT = os.environ.get("SPECFLEET_LMEVAL_DRAFT", "prompt-lookup")
+KV_MB = 24 if MODEL == DEFAULT_MODEL else 128  # the 1.5B's KV is 57 kB a token
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -73,7 +78,7 @@ def launched():
     # --mixed-step-factor none: a prompt is never split by a measured (timing-dependent) row cap, so its
     # logits are computed in the same shape as offline below (on this quantized model chunking moves
     # them by about 1e-2; see test_server_logprobs.py)
-    srv = launch_server("--kv-cache-mb", "24", "--mixed-step-factor", "none")
+    srv = launch_server("--kv-cache-mb", str(KV_MB), "--mixed-step-factor", "none", "--draft", DRAFT, model=MODEL)
     yield srv
     if srv.proc.poll() is None:
         stop_server(srv)
@@ -84,8 +89,9 @@ def launched():
 def offline(launched) -> LLM:
     """The same model and settings as the server (test_server_harness.COMMON_ARGS), loaded while the
     server process starts."""
-    return LLM(MODEL, "prompt-lookup", dtype="float32", num_speculative_tokens=3, max_model_len=CONTEXT,
-               kv_cache_bytes=24 << 20, mixed_step_factor=None)
+    draft = () if DRAFT == "default" else (DRAFT,)
+    return LLM(MODEL, *draft, dtype="float32", num_speculative_tokens=3, max_model_len=CONTEXT,
+               kv_cache_bytes=KV_MB << 20, mixed_step_factor=None)
 
 
 @pytest.fixture(scope="module")
