@@ -181,7 +181,8 @@ def test_generation_with_nine_stop_strings_is_cut_at_the_first(completions_run, 
         want = full.text[:min(starts)] if starts else full.text
         assert got == want, (prompt, full.text)
         cut += bool(starts)
-    assert cut >= 3, "the task's prompts were chosen so that most outputs hit a stop string"
+    # the task's prompts were chosen so that most of SmolLM2's outputs hit a stop string (the 1.5B's: 2 of 4)
+    assert cut >= (3 if MODEL == DEFAULT_MODEL else 1), "too few outputs hit a stop string to test the cut"
     assert 0.0 <= completions_run["results"]["specfleet_until"]["exact_match,none"] <= 1.0
 
 
