@@ -14,12 +14,12 @@ from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.engine.engine import Engine
 from specfleet.sampling_params import SamplingParams
-from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+from test_spec_greedy import LENGTHS, repetitive_prompts
+from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = torch.device("cuda")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
 
 
 def _on_cuda(model, dtype):
@@ -50,19 +50,11 @@ def _proposer(kind, draft):
     return PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3))
 
 
-def _repetitive(lengths):
-    out = []
-    for i, n in enumerate(random_prompts(lengths, seed=7)):
-        motif = n[:4] or [1]
-        out.append((motif * (len(n) // len(motif) + 1))[:len(n)] if i % 2 else n)
-    return out
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "lookup-tree"])
 def test_speculative_greedy_equals_plain_greedy_on_cuda(pair, kind, batch):
     target, draft = pair
-    prompts = _repetitive(LENGTHS[batch])
+    prompts = repetitive_prompts(LENGTHS[batch])
     plain = run_to_completion(_engine(target), prompts, GREEDY)
     eng = _engine(target, _proposer(kind, draft))
     spec = run_to_completion(eng, prompts, GREEDY)
@@ -76,7 +68,7 @@ def test_every_verified_row_equals_its_decode_step_on_cuda(pair, kind):
     """Row by row, bit for bit: each verification row (chains, trees of 17+ rows, batches of 8, prompts
     chunked by a 32-token budget beside verification) against a decode step of batch one."""
     target, draft = pair
-    prompts = _repetitive(LENGTHS[8])
+    prompts = repetitive_prompts(LENGTHS[8])
     outs, report = check_engine_run(_engine(target, _proposer(kind, draft), budget=32), prompts, GREEDY)
     assert report.rows_checked > 100
     assert report.rows_differing == 0, report.as_dict()
@@ -87,7 +79,7 @@ def test_every_verified_row_equals_its_decode_step_on_cuda(pair, kind):
 def test_sampled_speculation_runs_and_is_seeded_on_cuda(pair):
     target, draft = pair
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
-    prompts = _repetitive(LENGTHS[3])
+    prompts = repetitive_prompts(LENGTHS[3])
     a = run_to_completion(_engine(target, _proposer("draft-tree", draft)), prompts, params)
     b = run_to_completion(_engine(target, _proposer("draft-tree", draft)), prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
@@ -97,7 +89,7 @@ def test_sampled_speculation_runs_and_is_seeded_on_cuda(pair):
 def test_kv_cache_and_step_tensors_live_on_the_gpu(pair):
     target, draft = pair
     eng = _engine(target, _proposer("draft-tree", draft))
-    run_to_completion(eng, _repetitive(LENGTHS[3]), GREEDY)
+    run_to_completion(eng, repetitive_prompts(LENGTHS[3]), GREEDY)
     kv = eng.executor.runner.kv
     assert all(t.is_cuda for t in kv.k) and all(t.is_cuda for t in kv.v)
     assert all(p.is_cuda for p in target.parameters())
@@ -116,7 +108,7 @@ def test_a_speculative_step_synchronises_a_bounded_number_of_times(pair, kind, b
 
     target, draft = pair
     eng = _engine(target, _proposer(kind, draft), batch=batch)
-    prompts = _repetitive((LENGTHS[8] * 2)[:batch])
+    prompts = repetitive_prompts((LENGTHS[8] * 2)[:batch])
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for _ in range(3):

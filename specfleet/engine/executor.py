@@ -74,7 +74,8 @@ class StepExecutor:
             tree = s.request.draft if s.with_draft else EMPTY_TREE
             s.request.draft = None  # a draft is verified once; the next step gets a fresh one
             rows = logits[row:row + len(tree) + 1]
-            result = self._verify(s.request, tree, rows, argmax and argmax[row:row + len(tree) + 1])
+            result = self._verify(s.request, tree, rows,
+                                  None if argmax is None else argmax[row:row + len(tree) + 1])
             row += len(tree) + 1
             num_before = len(s.request.output_token_ids)
             fb = self._commit(s, tree, result)
@@ -141,11 +142,11 @@ class StepExecutor:
 
     @staticmethod
     def _verify(req: Request, tree: DraftTree, rows: torch.Tensor, argmax: list[int] | None) -> VerifyResult:
-        """`argmax`: the rows' argmax, read for the whole step at once (greedy requests without a grammar)."""
+        """`argmax`: the rows' unmasked argmax, read for the whole step at once."""
         if req.grammar is not None:  # each row masked by the grammar after its path (runtime/grammar.py)
-            rows = req.grammar.mask_rows(tree, rows)
+            rows, argmax = req.grammar.mask_rows(tree, rows), None
         if req.params.is_greedy:
-            return verify_greedy(tree, argmax if req.grammar is None and argmax else rows.argmax(-1).tolist())
+            return verify_greedy(tree, argmax if argmax is not None else rows.argmax(-1).tolist())
         return verify_sampled(tree, target_probs(rows, req.params), req.generator)
 
     def _commit(self, s: ScheduledRequest, tree: DraftTree, result: VerifyResult) -> Feedback:

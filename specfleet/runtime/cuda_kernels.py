@@ -21,6 +21,7 @@ on first use (Triton ships with CUDA builds of torch); `available()` says whethe
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -145,8 +146,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    if w.dtype != x2.dtype:
-        w = w.to(x2.dtype)
     m, kdim = x2.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
@@ -189,11 +188,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     return out
 
 
-class DevicePlan:
+class DevicePlan(NamedTuple):
     """A step's key plan (runtime/step_plan.KeyPlan) on the device: its six arrays, moved in one copy."""
 
-    FIELDS = ("slots", "base", "plen", "xoff", "nkeys", "extras")
-
-    def __init__(self, parts: dict[str, torch.Tensor]):
-        for f in self.FIELDS:
-            setattr(self, f, parts[f])
+    slots: torch.Tensor
+    base: torch.Tensor
+    plen: torch.Tensor
+    xoff: torch.Tensor
+    nkeys: torch.Tensor
+    extras: torch.Tensor

@@ -139,7 +139,7 @@ class ModelRunner:
         moved = self._upload(arrays + (plan or []))
         ids, pos, batch.slot_mapping, rows = moved[:4]
         if plan is not None:
-            batch.plan = cuda_kernels.DevicePlan(dict(zip(cuda_kernels.DevicePlan.FIELDS, moved[4:])))
+            batch.plan = cuda_kernels.DevicePlan(*moved[4:])
         hidden = self.model(ids, pos, batch, self.kv)
         self.last_hidden = hidden if self.keep_hidden else None
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
