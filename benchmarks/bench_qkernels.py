@@ -14,6 +14,7 @@ core the working one needs, and every 2-thread kernel here (torch's too) ran 3-1
     .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
     .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
     .venv/bin/python benchmarks/bench_qkernels.py --threads 1 --clock thread   # one core's CPU time
+    .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --isa avx2 avx512vnni --no-bf16
     .venv/bin/python benchmarks/bench_qkernels.py --gguf ~/.cache/specfleet/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
 `--gguf FILE` times every matrix of a real file instead (its own mix of formats, the output head
@@ -55,8 +56,12 @@ def random_weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> QTensor
     return QTensor(raw.reshape(n, -1), qtype, (n, k))
 
 
-def quant_fns(qtype: T, shapes: dict, rng) -> list:
+def quant_fns(qtype: T, shapes: dict, rng, path: str | None = None) -> list:
+    """One format's layers through the kernels of ISA path `path` (default: the one qlinear uses)."""
     ws = [random_weight(qtype, n, k, rng) for n, k in shapes.values()]
+    lib = qtensor._get(path) if path else None
+    if lib is not None:
+        return [(lambda x, w=w: qtensor.run_qlinear(lib, x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
     return [(lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
 
 
@@ -120,6 +125,9 @@ def main() -> None:
     ap.add_argument("--head", action="store_true", help="also the 151936 x 1536 output head")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gguf", default=None, help="time every matrix of this GGUF file instead (no bf16 systems)")
+    ap.add_argument("--isa", nargs="+", default=None, choices=list(qtensor.ISA_PATHS),
+                    help="time each format on these kernel ISA paths side by side (default: the one in use)")
+    ap.add_argument("--no-bf16", action="store_true", help="leave out the bf16 systems")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: the calling thread's CPU time (needs --threads 1)")
     args = ap.parse_args()
@@ -136,9 +144,12 @@ def main() -> None:
     else:
         shapes = {**SHAPES, **(HEAD if args.head else {})}
         rng = np.random.default_rng(0)
-        systems = {name: quant_fns(T[name], shapes, rng) for name in args.formats}
-        systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
-        systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
+        paths = args.isa or [None]
+        systems = {f"{name} {path}" if path else name: quant_fns(T[name], shapes, rng, path)
+                   for name in args.formats for path in paths}
+        if not args.no_bf16:
+            systems["bf16 torch"] = bf16_fns("bf16 torch", shapes)
+            systems["bf16 specfleet"] = bf16_fns("bf16 specfleet", shapes)
     best = time_all(systems, args.rows, args.repeats, time.thread_time if args.clock == "thread" else time.perf_counter)
     table, one = [], args.rows[0]
     flops_per_row = 2 * sum(n * k for n, k in shapes.values())
@@ -155,6 +166,7 @@ def main() -> None:
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins)")
     load = (load_before, os.getloadavg()[0])
     payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy,
+               "kernel_isa": qtensor.isa(), "runnable_isas": qtensor.runnable_isas(),
                "load_average_1min": load,
                "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
                "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
@@ -166,7 +178,7 @@ def main() -> None:
                 "routes (runtime/cpu_linear.py)")
     body = (f"One pass through the linear layers: {what}. Block formats run runtime/qtensor.py's native kernels "
             "(int8 activations, integer dot products). Best of repeats, systems alternating; "
-            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
+            f"kernel ISA path {args.isa or qtensor.isa()}; {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
             f"1-minute load average {load[0]:.1f} before and {load[1]:.1f} after (other work shares the cores). "
             "GB_per_s: weight bytes read per second at one row; GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))

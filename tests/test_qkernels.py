@@ -280,9 +280,8 @@ def test_bad_input_is_a_clear_error():
 
 
 def _turn_off(monkeypatch, tmp_path):
-    monkeypatch.setattr(qtensor, "_tried", False)
-    monkeypatch.setattr(qtensor, "_lib", None)
-    monkeypatch.setattr(qtensor, "_reason", None)
+    monkeypatch.setattr(qtensor, "_libs", {})
+    monkeypatch.setattr(qtensor, "_reasons", {})
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECFLEET_NATIVE", "0")
 

@@ -47,14 +47,10 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_v
 def cpu_isa() -> list[str]:
     """The instruction-set flags that decide which kernels run (from /proc/cpuinfo): every figure names them,
     since this project's machines differ (AVX2-only Zen 3, AVX512-VNNI Zen 4) and users' CPUs more."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in ISA_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
+    from specfleet.runtime.native import cpu_flags
+
+    have = cpu_flags()
+    return [f for f in ISA_FLAGS if f in have]
 
 
 def _cpu_name() -> str:

@@ -40,13 +40,25 @@ _reason: str | None = None  # why the kernel is unavailable, once known
 _tried = False
 
 
+_cpu_flags: frozenset[str] | None = None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (`avx2`, `avx512_vnni`, ...; ARM's `Features`
+    too), read once: the one place the kernels' builds and the benchmark reports learn the ISA."""
+    global _cpu_flags
+    if _cpu_flags is None:
+        try:
+            line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                         if ln.startswith(("flags", "Features"))), "")
+        except OSError:
+            line = ""
+        _cpu_flags = frozenset(line.split(":", 1)[1].split() if ":" in line else ())
+    return _cpu_flags
+
+
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    words = set(flags.split())
-    return {"avx2", "fma"} <= words
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def _build(out: Path, compiler: str, sources: list[Path] | None = None, flags: list[str] = FLAGS) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -47,7 +48,18 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c"]
 HEADERS = (_CSRC / "q_common.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI = 4  # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan
+# The kernels' ISA paths, best first: the CPU flags each needs and what it adds to FLAGS. One library is
+# built per path (csrc/q_common.h picks the instructions from the compiler's macros); every path gives
+# the AVX2 path's bits (tests/test_isa_paths.py), so the choice changes speed only. Per-path flags rather
+# than -march=native: the build is the same on every machine with those flags, so its bits are too, and
+# a test can build and compare each path the CPU runs.
+ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
+    "avx2": ((), ()),
+}
+ABI = 5  # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths
 # input transforms of `run_fused` (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -59,9 +71,8 @@ class FusedPart(ctypes.Structure):
                 ("N", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}  # per ISA path, once tried (None: unavailable, see _reasons)
+_reasons: dict[str, str] = {}
 
 
 class NativeLayer(ctypes.Structure):
@@ -76,23 +87,45 @@ class NativeLayer(ctypes.Structure):
 
 def _missing() -> str | None:
     reason = native.missing_prerequisite()
-    if reason is None:
-        try:
-            flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-        except OSError:
-            flags = ""
-        if "f16c" not in flags.split():
-            reason = "this CPU lacks F16C"
+    if reason is None and "f16c" not in native.cpu_flags():
+        reason = "this CPU lacks F16C"
     return reason
 
 
-def _load() -> ctypes.CDLL:
+def runnable_isas() -> list[str]:
+    """The ISA paths this CPU can run, best first (empty where the kernels cannot run at all)."""
+    if _missing() is not None:
+        return []
+    have = native.cpu_flags()
+    return [name for name, (needs, _) in ISA_PATHS.items() if set(needs) <= have]
+
+
+def isa() -> str | None:
+    """The ISA path the kernels use here: the best the CPU runs, or SPECFLEET_ISA (read once per process,
+    like SPECFLEET_NATIVE) to pin a slower one; None where no path runs."""
+    wanted = os.environ.get("SPECFLEET_ISA", "").strip().lower()
+    paths = runnable_isas()
+    if wanted:
+        if wanted not in ISA_PATHS:
+            raise ValueError(f"SPECFLEET_ISA={wanted!r} is not a kernel path; choose one of {list(ISA_PATHS)}")
+        if wanted not in paths:
+            raise ValueError(f"SPECFLEET_ISA={wanted!r}: this CPU cannot run it (it runs {paths or 'none'})")
+        return wanted
+    return paths[0] if paths else None
+
+
+def _load(path: str) -> ctypes.CDLL:
     missing = _missing()
     if missing is not None:
         raise RuntimeError(missing)
-    lib = native.compile_library(SOURCES, FLAGS, HEADERS)
+    if path not in runnable_isas():
+        raise RuntimeError(f"this CPU cannot run the {path} kernels")
+    lib = native.compile_library(SOURCES, FLAGS + list(ISA_PATHS[path][1]), HEADERS)
     if lib.specfleet_q_abi() != ABI:
         raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_q_abi()}, expected {ABI}")
+    lib.specfleet_q_isa.restype = ctypes.c_char_p
+    if lib.specfleet_q_isa().decode() != path:
+        raise RuntimeError(f"{lib._name} was built for {lib.specfleet_q_isa().decode()}, expected {path}")
     fn = lib.specfleet_q_linear
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -115,19 +148,28 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def _get() -> ctypes.CDLL | None:
-    global _lib, _reason, _tried
-    if _tried:
-        return _lib
+def _get(path: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library of ISA path `path` (default: `isa()`), built on first use; None where it cannot
+    be (the reason in `unavailable_reason()`)."""
+    if path is None:
+        try:
+            path = isa()
+        except ValueError as e:
+            path = "?"
+            _reasons.setdefault(path, str(e))
+        if path is None:
+            path = "avx2"  # _load says why nothing runs
+    if path in _libs:
+        return _libs[path]
     with _lock:
-        if not _tried:
+        if path not in _libs:
             try:
-                _lib = _load()
+                _libs[path] = _load(path) if path != "?" else None
             except Exception as e:  # noqa: BLE001 -- any failure means: no native kernel here
-                _reason = str(e)
-                log.warning("specfleet native GGUF kernels unavailable: %s", _reason)
-            _tried = True
-    return _lib
+                _reasons[path] = str(e)
+                _libs[path] = None
+                log.warning("specfleet native GGUF kernels (%s) unavailable: %s", path, e)
+    return _libs[path]
 
 
 def available() -> bool:
@@ -135,8 +177,9 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    _get()
-    return _reason
+    if _get() is not None:
+        return None
+    return next(iter(_reasons.values()), None)
 
 
 def _as_type(qtype) -> T:

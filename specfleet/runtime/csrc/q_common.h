@@ -53,9 +53,33 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* sum over pairs of u8 * i8 products, widened to 8 int32 lanes */
+/* The ISA path this library is built for (runtime/qtensor.py builds one library per path, chosen by the
+ * CPU's flags): "avx2" (maddubs + madd), "avxvnni" (256-bit VEX vpdpbusd) or "avx512vnni" (the K
+ * formats in 512-bit registers, vpdpbusd; 256-bit EVEX vpdpbusd for the 32-weight formats).
+ * Every path computes bit for bit what the AVX2 path computes: the integer sums are exact in each (no
+ * int16 lane of the AVX2 path saturates, see q_kquants.c), they are grouped per 32-weight sub-block the
+ * same way before any scale, and the floating-point work after them is the same instruction sequence. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SF_VNNI 1
+#define SF_VNNI512 1
+#define SF_ISA_NAME "avx512vnni"
+ALWAYS_INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define SF_VNNI 1
+#define SF_ISA_NAME "avxvnni"
+ALWAYS_INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define SF_ISA_NAME "avx2"
+#endif
+
+/* sum over groups of four u8 * i8 products, in 8 int32 lanes (dword j: bytes 4j..4j+3). AVX2's maddubs
+ * sums pairs into int16 first: exact while a pair stays within int16, which every caller ensures. */
 ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
+#ifdef SF_VNNI
+    return dpbusd256(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {

@@ -29,7 +29,15 @@
  * registers, |sum| <= 8 * 2 * 15 * 127 = 30480) or per pair of registers (Q6_K: 63 * 127 * 2 * 2 =
  * 32004) applies the sub-block scales, laid out per dword. ggml's order needs a madd per register.
  * Q4_K's mins and Q6_K's -32 offset come off through the activation block's sums of 16 (bsum). Per
- * block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator. */
+ * block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator.
+ *
+ * With VNNI (q_common.h) vpdpbusd sums four u8 * i8 products straight into int32 lanes, so a block's
+ * registers add up per sub-block in int32 (dword u of every register is sub-block u; with 512-bit
+ * registers, two registers side by side, whose halves are added once per block) and the sub-block
+ * scales multiply those int32 totals (vpmulld). That is the same integer as the AVX2 path's madd of the
+ * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
+ * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
+ * int16 adds and 1 to 4 madds. */
 #include "q_common.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
@@ -92,6 +100,137 @@ ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
 
 ALWAYS_INLINE __m256i loadx(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* the top two bits of Q6_K/x register 4g + i, from qh word h of group g, moved to bits 4..5 of each byte */
+ALWAYS_INLINE __m256i q6_top(__m256i h, int i) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (i) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
+}
+
+#ifdef SF_VNNI
+/* per block of a VNNI path: the sub-block totals of one activation row (lane u: sub-block u, 8 lanes),
+ * from the weight quants already unpacked into the registers the path uses */
+#ifdef SF_VNNI512
+typedef __m512i wreg;
+#define NREG 4 /* 512-bit registers per 256 weights: registers (0,1), (2,3), (4,5), (6,7) */
+ALWAYS_INLINE wreg wload(const void *p) { return _mm512_loadu_si512(p); }
+ALWAYS_INLINE wreg wand(wreg a, wreg b) { return _mm512_and_si512(a, b); }
+ALWAYS_INLINE wreg wor(wreg a, wreg b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE wreg wsrl4(wreg a) { return _mm512_srli_epi16(a, 4); }
+ALWAYS_INLINE wreg wset8(char c) { return _mm512_set1_epi8(c); }
+ALWAYS_INLINE wreg wzero(void) { return _mm512_setzero_si512(); }
+ALWAYS_INLINE wreg wdp(wreg acc, wreg u, wreg s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* lane u + lane u + 8: the two registers side by side belong to the same sub-blocks */
+ALWAYS_INLINE __m256i wfold(wreg v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+#else
+typedef __m256i wreg;
+#define NREG 8
+ALWAYS_INLINE wreg wload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS_INLINE wreg wand(wreg a, wreg b) { return _mm256_and_si256(a, b); }
+ALWAYS_INLINE wreg wor(wreg a, wreg b) { return _mm256_or_si256(a, b); }
+ALWAYS_INLINE wreg wsrl4(wreg a) { return _mm256_srli_epi16(a, 4); }
+ALWAYS_INLINE wreg wset8(char c) { return _mm256_set1_epi8(c); }
+ALWAYS_INLINE wreg wzero(void) { return _mm256_setzero_si256(); }
+ALWAYS_INLINE wreg wdp(wreg acc, wreg u, wreg s) { return dpbusd256(acc, u, s); }
+ALWAYS_INLINE __m256i wfold(wreg v) { return v; }
+#endif
+#define RW (256 / NREG) /* bytes of activation quants per register */
+
+/* Q4_K: registers in activation order (the quants of register j pair with x->q[RW * j ...]) */
+ALWAYS_INLINE void q4k_regs(const b_q4_k *w, wreg *q) {
+    const wreg m4 = wset8(0x0f);
+    for (int j = 0; j < NREG / 2; j++) { /* qs: low nibbles the first half of the registers, high the second */
+        const wreg v = wload(w->qs + RW * j);
+        q[j] = wand(v, m4);
+        q[j + NREG / 2] = wand(wsrl4(v), m4);
+    }
+}
+
+ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q4_k *w = (const b_q4_k *)wrow;
+    const __m128i dup_mn = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d), dmin = h2f(w[b].dmin);
+        const __m128i sm = q4k_scales_mins(w[b].scales);
+        const __m256i sc = _mm256_cvtepu8_epi32(sm);
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mn));
+        wreg q[NREG];
+        q4k_regs(&w[b], q);
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            wreg s = wdp(wzero(), q[0], wload(xb->q));
+            for (int j = 1; j < NREG; j++) s = wdp(s, q[j], wload(xb->q + RW * j));
+            const __m256i isum = _mm256_mullo_epi32(wfold(s), sc);
+            const __m256i mterm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsum));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* Q6_K: registers in activation order; the first half (x registers 0..3) holds the first 16 weights
+ * of every sub-block of 32 (Q6_K scale 2u), the second half the last 16 (scale 2u + 1) */
+ALWAYS_INLINE void q6k_regs(const b_q6_k *w, wreg *q) {
+    const wreg m4 = wset8(0x0f);
+#ifdef SF_VNNI512
+    const wreg m30 = wset8(0x30);
+    /* qh group g in both halves; the top bits of register 4g + i sit at bits 2i..2i+1: shifted to 4..5
+     * by 4, 2 (registers 4g, 4g + 1: left) and 0, 2 (4g + 2, 4g + 3: right), per 256-bit half */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    for (int g = 0; g < 2; g++) {
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w->qh + 32 * g)));
+        const __m512i l01 = wload(w->ql), l23 = wload(w->ql + 64);
+        const __m512i n01 = g ? wand(wsrl4(l01), m4) : wand(l01, m4), n23 = g ? wand(wsrl4(l23), m4) : wand(l23, m4);
+        q[2 * g] = wor(n01, wand(_mm512_sllv_epi16(h, left), m30));
+        q[2 * g + 1] = wor(n23, wand(_mm512_srlv_epi16(h, right), m30));
+    }
+#else
+    for (int g = 0; g < 2; g++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * g));
+        for (int i = 0; i < 4; i++) {
+            const __m256i l = wload(w->ql + 32 * i);
+            q[4 * g + i] = wor(g ? wand(wsrl4(l), m4) : wand(l, m4), q6_top(h, i));
+        }
+    }
+#endif
+}
+
+ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q6_k *w = (const b_q6_k *)wrow;
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = h2f(w[b].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
+        const __m256i s_first = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, even));
+        const __m256i s_last = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, odd));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        wreg q[NREG];
+        q6k_regs(&w[b], q);
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            wreg f = wdp(wzero(), q[0], wload(xb->q)), l = wdp(wzero(), q[NREG / 2], wload(xb->q + 128));
+            for (int j = 1; j < NREG / 2; j++) {
+                f = wdp(f, q[j], wload(xb->q + RW * j));
+                l = wdp(l, q[NREG / 2 + j], wload(xb->q + 128 + RW * j));
+            }
+            const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(wfold(f), s_first), _mm256_mullo_epi32(wfold(l), s_last));
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsum));
+            const __m256i p = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+#else /* AVX2 */
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
@@ -126,17 +265,6 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-
-/* the top two bits of Q6_K/x register 4g + i, from qh word h of group g, moved to bits 4..5 of each byte */
-ALWAYS_INLINE __m256i q6_top(__m256i h, int i) {
-    const __m256i m = _mm256_set1_epi8(0x30);
-    switch (i) {
-    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
-    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
-    case 2: return _mm256_and_si256(h, m);
-    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
-    }
 }
 
 ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
@@ -180,6 +308,8 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
+
+#endif /* SF_VNNI */
 
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
