@@ -26,8 +26,10 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
 
-typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;            /* 40 B */
-typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } xq256;     /* 292 B; bsum in element order */
+typedef struct { _Alignas(32) int8_t q[32]; float d; int32_t sum; } xq32; /* 64 B: q never straddles a cache line */
+/* 384 B, q 64-byte aligned (activation buffers are too: a 512-bit load never straddles two cache lines);
+ * bsum: sums of every 16 quants in element order; fsum[u]: the sum of sub-block u's 32 quants in fp32 */
+typedef struct { _Alignas(64) int8_t q[256]; float fsum[8]; int16_t bsum[16]; float d; } xq256;
 
 /* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
  * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate

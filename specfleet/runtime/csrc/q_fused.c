@@ -134,8 +134,9 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
     if (M == 0 || col == 0) return 0;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
     const int64_t arb256 = (K / 256) * (int64_t)sizeof(xq256), arb32 = (K / 32) * (int64_t)sizeof(xq32);
-    uint8_t *a256 = need256 ? (uint8_t *)malloc((size_t)(M * arb256)) : 0;
-    uint8_t *a32 = need32 ? (uint8_t *)malloc((size_t)(M * arb32)) : 0;
+    /* 64-byte aligned: a 512-bit load of activation quants never straddles two cache lines */
+    uint8_t *a256 = need256 ? (uint8_t *)aligned_alloc(64, (size_t)(M * arb256 + 63) / 64 * 64) : 0;
+    uint8_t *a32 = need32 ? (uint8_t *)aligned_alloc(64, (size_t)(M * arb32 + 63) / 64 * 64) : 0;
     if ((need256 && !a256) || (need32 && !a32)) {
         free(a256);
         free(a32);

@@ -67,6 +67,7 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
             for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
             out[b].bsum[s] = (int16_t)sum;
         }
+        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
         /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
         for (int t = 0; t < 8; t++)
             for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
@@ -99,6 +100,23 @@ ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
 #define KEEP(v) __asm__("" : "+x"(v))
 
 ALWAYS_INLINE __m256i loadx(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* A Q4_K block's sub-block scales and mins in fp32, once per weight block for every activation row:
+ * fd[u] = d * sc[u], fm[u] = dmin * mn[u] */
+ALWAYS_INLINE void q4k_float_scales(const b_q4_k *w, __m256 *fd, __m256 *fm) {
+    const __m128i sm = q4k_scales_mins(w->scales);
+    *fd = _mm256_mul_ps(_mm256_set1_ps(h2f(w->d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    *fm = _mm256_mul_ps(_mm256_set1_ps(h2f(w->dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+/* One Q4_K block of one activation row into its 8-lane accumulator, from the 8 sub-block totals of
+ * weight quant x activation quant (exact int32, whichever ISA summed them):
+ * acc += d_x * (tot * fd - fsum * fm), fsum[u] the sum of the activation quants of sub-block u. Every
+ * path ends a block with these instructions, so every path gives the same bits. */
+ALWAYS_INLINE __m256 q4k_block_acc(__m256i tot, __m256 fd, __m256 fm, const xq256 *xb, __m256 acc) {
+    const __m256 v = _mm256_fnmadd_ps(fm, _mm256_load_ps(xb->fsum), _mm256_mul_ps(_mm256_cvtepi32_ps(tot), fd));
+    return _mm256_fmadd_ps(_mm256_set1_ps(xb->d), v, acc);
+}
 
 /* the top two bits of Q6_K/x register 4g + i, from qh word h of group g, moved to bits 4..5 of each byte */
 ALWAYS_INLINE __m256i q6_top(__m256i h, int i) {
@@ -153,22 +171,16 @@ ALWAYS_INLINE void q4k_regs(const b_q4_k *w, wreg *q) {
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
-    const __m128i dup_mn = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
-        const float d = h2f(w[b].d), dmin = h2f(w[b].dmin);
-        const __m128i sm = q4k_scales_mins(w[b].scales);
-        const __m256i sc = _mm256_cvtepu8_epi32(sm);
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mn));
+        __m256 fd, fm;
+        q4k_float_scales(&w[b], &fd, &fm);
         wreg q[NREG];
         q4k_regs(&w[b], q);
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
             wreg s = wdp(wzero(), q[0], wload(xb->q));
             for (int j = 1; j < NREG; j++) s = wdp(s, q[j], wload(xb->q + RW * j));
-            const __m256i isum = _mm256_mullo_epi32(wfold(s), sc);
-            const __m256i mterm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsum));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), acc[r]);
+            acc[r] = q4k_block_acc(wfold(s), fd, fm, xb, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
@@ -235,14 +247,9 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    /* each of the 8 scales (or mins) twice, for the two int16 lanes of a dword */
-    const __m128i dup_sc = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m128i dup_mn = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
-        const float d = h2f(w[b].d), dmin = h2f(w[b].dmin);
-        const __m128i sm = q4k_scales_mins(w[b].scales);
-        const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_sc));
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mn));
+        __m256 fd, fm;
+        q4k_float_scales(&w[b], &fd, &fm);
         __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
         for (int c = 0; c < 4; c++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
@@ -256,13 +263,8 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
                 KEEP(p[r]);
             }
         }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = &x[r][b];
-            const __m256i isum = _mm256_madd_epi16(p[r], sc);
-            const __m256i mterm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsum));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(isum), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb->d), _mm256_cvtepi32_ps(mterm), acc[r]);
-        }
+        for (int r = 0; r < R; r++) /* the int16 pairs of each dword summed: the sub-block totals */
+            acc[r] = q4k_block_acc(_mm256_madd_epi16(p[r], _mm256_set1_epi16(1)), fd, fm, &x[r][b], acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }

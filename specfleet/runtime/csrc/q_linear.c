@@ -29,13 +29,13 @@ int64_t specfleet_q_act_row_bytes(int type, int64_t K) {
 }
 
 /* x fp32 [M, K] row-major; W [N, row_bytes] blocks; y fp32 [M, N] (written); act: scratch of
- * M * specfleet_q_act_row_bytes(type, K) bytes. Returns 0, or -1 for an unknown type / bad K. */
+ * M * specfleet_q_act_row_bytes(type, K) bytes, 64-byte aligned. Returns 0, or -1 for an unknown type / bad K. */
 int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, const float *x,
                        int64_t M, float *y, void *act, int num_threads) {
     const int kq = is_k_type(type);
     const int64_t qk = kq ? 256 : 32;
     const int64_t arb = specfleet_q_act_row_bytes(type, K);
-    if (arb == 0 || K % qk != 0 || K <= 0) return -1;
+    if (arb == 0 || K % qk != 0 || K <= 0 || ((uintptr_t)act & 63)) return -1; /* act: 64-byte aligned */
     const cols_fn cols = kq ? sfq_kquant_columns(type) : sfq_legacy_columns(type);
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = K / qk;
