@@ -174,6 +174,41 @@ def test_fallback_to_dense_weights_when_the_kernels_are_off(tiny_gguf, monkeypat
         resolve_quantization("gguf", False, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("machine,flags,why", [("aarch64", {"fp", "asimd", "asimddp"}, "x86-64 Linux only"),
+                                               ("x86_64", {"sse4_2", "avx", "f16c"}, "lacks AVX2 or FMA")],
+                         ids=["arm-neon", "x86-without-avx2"])
+def test_a_cpu_the_kernels_do_not_cover_runs_dense_and_says_why(tiny_gguf, monkeypatch, caplog, machine, flags, why):
+    """Simulated CPUs without AVX2 (an ARM with NEON dot products, an older x86): no kernel path runs, the
+    GGUF file loads as dense weights with one warning naming why, and the model computes what the
+    dequantized weights say; nothing raises."""
+    import platform
+
+    from specfleet.runtime import native
+
+    arch, path = tiny_gguf
+    monkeypatch.setattr(native, "_cpu_flags", frozenset(flags))
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(qtensor, "_libs", {})
+    monkeypatch.setattr(qtensor, "_reasons", {})
+    assert qtensor.runnable_isas() == [] and qtensor.isa() is None
+    with caplog.at_level(logging.WARNING):
+        model, _ = load_model(str(path), torch.float32, torch.device("cpu"), quantization="auto")
+    assert why in caplog.text and "loading dense weights instead" in caplog.text
+    assert model.quantization is None
+    dense, _ = load_model(str(path), torch.float32, torch.device("cpu"), quantization="none")
+    assert torch.equal(_prompt_logits(model), _prompt_logits(dense))
+
+
+def _prompt_logits(model) -> torch.Tensor:
+    from specfleet.runtime.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.kv_cache import KVCache
+
+    kv = KVCache.allocate(model.config, 2, 16, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([3, 1, 4, 1, 5, 9])
+    batch = AttentionBatch(torch.arange(6), [SeqAttention(6, 0, slice(0, 6))])
+    return model.compute_logits(model(ids, torch.arange(6), batch, kv))
+
+
 def test_a_tensor_format_the_kernels_do_not_run_is_a_clear_error(tmp_path):
     kind = next(t for t in (Q.IQ4_NL, Q.Q5_1, Q.Q4_1) if t not in qtensor.SUPPORTED_TYPES)
     path = tmp_path / "odd.gguf"

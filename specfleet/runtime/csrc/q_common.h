@@ -140,4 +140,47 @@ ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
         }                                                                                         \
     }
 
+/* The same with weight rows taken two at a time where an activation tile has more than one row: FN2
+ * (rows n and n + 1, one pass over both) must give each row the bits FN gives it alone (the odd last
+ * row of a range and one-row calls take FN). */
+#define DEFINE_COLUMNS_PAIRED(NAME, FN, FN2, XT)                                                  \
+    DEFINE_COLUMNS(NAME##_single, FN, XT)                                                         \
+    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
+                     const float *bias, int accumulate) {                                         \
+        int64_t n = n0;                                                                           \
+        if (c1 - c0 > 1)                                                                          \
+            for (; n + 1 < n1; n += 2) {                                                          \
+                const uint8_t *w0 = W + n * row_bytes, *w1 = w0 + row_bytes;                      \
+                if (PF_ROWS > 0 && c0 == 0 && n + 1 + PF_ROWS < n1) {                             \
+                    prefetch_row(w0 + PF_ROWS * row_bytes, row_bytes);                            \
+                    prefetch_row(w1 + PF_ROWS * row_bytes, row_bytes);                            \
+                }                                                                                 \
+                for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                      \
+                    const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                         \
+                    const XT *xs[TILE];                                                           \
+                    float o0[TILE], o1[TILE];                                                     \
+                    for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);         \
+                    switch (R) {                                                                  \
+                    case 1: FN2(w0, w1, nb, xs, 1, o0, o1); break;                                \
+                    case 2: FN2(w0, w1, nb, xs, 2, o0, o1); break;                                \
+                    case 3: FN2(w0, w1, nb, xs, 3, o0, o1); break;                                \
+                    case 4: FN2(w0, w1, nb, xs, 4, o0, o1); break;                                \
+                    case 5: FN2(w0, w1, nb, xs, 5, o0, o1); break;                                \
+                    case 6: FN2(w0, w1, nb, xs, 6, o0, o1); break;                                \
+                    case 7: FN2(w0, w1, nb, xs, 7, o0, o1); break;                                \
+                    default: FN2(w0, w1, nb, xs, 8, o0, o1); break;                               \
+                    }                                                                             \
+                    for (int r = 0; r < R; r++) {                                                 \
+                        float v0 = o0[r], v1 = o1[r];                                             \
+                        if (bias) { v0 += bias[n]; v1 += bias[n + 1]; }                           \
+                        float *dst = y + (m0 + r) * ldy + n;                                      \
+                        dst[0] = accumulate ? dst[0] + v0 : v0;                                   \
+                        dst[1] = accumulate ? dst[1] + v1 : v1;                                   \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        if (n < n1) NAME##_single(W, row_bytes, nb, a, arb, c0, c1, n, n1, y, ldy, bias, accumulate); \
+    }
+
 #endif

@@ -186,6 +186,55 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
+#ifdef SF_VNNI512
+/* Two weight rows at once for several activation rows (the columns loop's pairs): a 512-bit register
+ * holds register t of row n in its low half and of row n + 1 in its high half, and the activation's
+ * register t is loaded into both halves. So a vpdpbusd serves two weight rows, the sub-block totals need
+ * no folding, and each block's fp32 epilogue runs once for both rows; lane by lane it is the one-row
+ * epilogue (q4k_block_acc), so a row's bits do not depend on whether it was paired. */
+ALWAYS_INLINE __m512i pair_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+ALWAYS_INLINE __m512 pair_f(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+ALWAYS_INLINE __m512i both_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)p)); }
+ALWAYS_INLINE __m512 both_f(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd((const double *)p))); }
+ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
+    for (int r = 0; r < R; r++) {
+        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
+        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    }
+}
+
+ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                             float *out0, float *out1) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 fd0, fm0, fd1, fm1;
+        q4k_float_scales(&w0[b], &fd0, &fm0);
+        q4k_float_scales(&w1[b], &fd1, &fm1);
+        const __m512 fd = pair_f(fd0, fd1), fm = pair_f(fm0, fm1);
+        __m512i q[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qs + 32 * c)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qs + 32 * c)));
+            q[c] = _mm512_and_si512(v, m4);
+            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
+            for (int t = 1; t < 8; t++) s = _mm512_dpbusd_epi32(s, q[t], both_i(xb->q + 32 * t));
+            const __m512 v = _mm512_fnmadd_ps(fm, both_f(xb->fsum), _mm512_mul_ps(_mm512_cvtepi32_ps(s), fd));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb->d), v, acc[r]);
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
+#endif
+
 /* Q6_K: registers in activation order; the first half (x registers 0..3) holds the first 16 weights
  * of every sub-block of 32 (Q6_K scale 2u), the second half the last 16 (scale 2u + 1) */
 ALWAYS_INLINE void q6k_regs(const b_q6_k *w, wreg *q) {
@@ -242,6 +291,51 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
+#ifdef SF_VNNI512
+/* Q6_K two weight rows at once (see dot2_q4_k); the epilogue is dot_q6_k's, lane by lane */
+ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                             float *out0, float *out1) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
+        const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
+        const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
+        const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+        const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
+        __m512i q[8];
+        for (int g = 0; g < 2; g++) {
+            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g));
+            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g));
+            for (int i = 0; i < 4; i++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i));
+                const __m256i n0 = g ? _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4) : _mm256_and_si256(l0, m4);
+                const __m256i n1 = g ? _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4) : _mm256_and_si256(l1, m4);
+                q[4 * g + i] = pair_i(_mm256_or_si256(n0, q6_top(h0, i)), _mm256_or_si256(n1, q6_top(h1, i)));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i f = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
+            __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], both_i(xb->q + 128));
+            for (int t = 1; t < 4; t++) {
+                f = _mm512_dpbusd_epi32(f, q[t], both_i(xb->q + 32 * t));
+                l = _mm512_dpbusd_epi32(l, q[4 + t], both_i(xb->q + 128 + 32 * t));
+            }
+            const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(f, s_first), _mm512_mullo_epi32(l, s_last));
+            const __m512i off = _mm512_madd_epi16(sc16, both_i(xb->bsum));
+            const __m512i p = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
+#endif
 #else /* AVX2 */
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
@@ -313,8 +407,16 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
 
 #endif /* SF_VNNI */
 
+#ifdef SF_VNNI512
+DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
+#else
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
+#endif
+#ifdef SF_VNNI512
+DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
+#else
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
+#endif
 
 cols_fn sfq_kquant_columns(int type) {
     switch (type) {
