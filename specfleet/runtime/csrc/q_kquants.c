@@ -300,24 +300,24 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
     const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
         const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
         const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
         const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
         const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
         const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
-        __m512i q[8];
-        for (int g = 0; g < 2; g++) {
-            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g));
-            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g));
-            for (int i = 0; i < 4; i++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i));
-                const __m256i n0 = g ? _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4) : _mm256_and_si256(l0, m4);
-                const __m256i n1 = g ? _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4) : _mm256_and_si256(l1, m4);
-                q[4 * g + i] = pair_i(_mm256_or_si256(n0, q6_top(h0, i)), _mm256_or_si256(n1, q6_top(h1, i)));
-            }
+        __m512i q[8], l[4];
+        for (int i = 0; i < 4; i++)
+            l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i)),
+                          _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i)));
+        for (int g = 0; g < 2; g++) { /* q6_top's shifts, on both rows at once */
+            const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g)));
+            const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
+                                    _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
+            for (int i = 0; i < 4; i++)
+                q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
