@@ -152,6 +152,8 @@ def _get(path: str | None = None) -> ctypes.CDLL | None:
     """The kernel library of ISA path `path` (default: `isa()`), built on first use; None where it cannot
     be (the reason in `unavailable_reason()`)."""
     if path is None:
+        if _libs.get("default") is not None:  # the hot path: every native forward asks
+            return _libs["default"]
         try:
             path = isa()
         except ValueError as e:
@@ -159,6 +161,10 @@ def _get(path: str | None = None) -> ctypes.CDLL | None:
             _reasons.setdefault(path, str(e))
         if path is None:
             path = "avx2"  # _load says why nothing runs
+        lib = _get(path)
+        if lib is not None:
+            _libs["default"] = lib
+        return lib
     if path in _libs:
         return _libs[path]
     with _lock:

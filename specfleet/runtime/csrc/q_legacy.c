@@ -141,9 +141,56 @@ ALWAYS_INLINE void dot_q8_0(const uint8_t *wrow, int64_t nb, const xq32 *const *
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
+#ifdef SF_VNNI512
+/* Q4_0 / Q5_0 two weight rows at once for several activation rows (as q_kquants.c's dot2_q4_k): the two
+ * rows' unpacked blocks side by side in a 512-bit register, the activation block in both halves; lane by
+ * lane the one-row kernel's instructions (the offset off * sum taken off lane 0 of each half), so a row's
+ * bits do not depend on pairing. */
+ALWAYS_INLINE void dot2_offset(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq32 *const *x, int R,
+                               float *out0, float *out1, int five_bit) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t bs = five_bit ? (int64_t)sizeof(b_q5_0) : (int64_t)sizeof(b_q4_0);
+    const int32_t off = five_bit ? 16 : 8;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p0 = row0 + b * bs, *p1 = row1 + b * bs;
+        __m256i q0, q1;
+        if (five_bit) {
+            const b_q5_0 *a = (const b_q5_0 *)p0, *c = (const b_q5_0 *)p1;
+            q0 = _mm256_or_si256(nibbles32(a->qs), highbits32(a->qh));
+            q1 = _mm256_or_si256(nibbles32(c->qs), highbits32(c->qh));
+        } else {
+            q0 = nibbles32(((const b_q4_0 *)p0)->qs);
+            q1 = nibbles32(((const b_q4_0 *)p1)->qs);
+        }
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(
+                              _mm256_set1_ps(h2f(*(const uint16_t *)p0)))), _mm256_castps_pd(_mm256_set1_ps(h2f(*(const uint16_t *)p1))), 1));
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = &x[r][b];
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)xb->q)));
+            p = _mm512_sub_epi32(p, _mm512_maskz_set1_epi32(0x0101, off * xb->sum));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
+        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    }
+}
+ALWAYS_INLINE void dot2_q4_0(const uint8_t *w0, const uint8_t *w1, int64_t nb, const xq32 *const *x, int R, float *o0, float *o1) {
+    dot2_offset(w0, w1, nb, x, R, o0, o1, 0);
+}
+ALWAYS_INLINE void dot2_q5_0(const uint8_t *w0, const uint8_t *w1, int64_t nb, const xq32 *const *x, int R, float *o0, float *o1) {
+    dot2_offset(w0, w1, nb, x, R, o0, o1, 1);
+}
+DEFINE_COLUMNS_PAIRED(cols_q4_0, dot_q4_0, dot2_q4_0, xq32)
+DEFINE_COLUMNS_PAIRED(cols_q5_0, dot_q5_0, dot2_q5_0, xq32)
+#else
 DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)
-DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
 DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
+#endif
+DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
 DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
 
 cols_fn sfq_legacy_columns(int type) {
