@@ -24,7 +24,7 @@
 
 #include "q_common.h"
 
-#define FRCH 16           /* weight rows per scheduled chunk (as q_linear.c) */
+#define FRCH 64           /* weight rows per scheduled chunk (as q_linear.c) */
 #define FXCHUNK 64        /* activation rows swept per weight row before moving on */
 #define FQUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread */
 #define MAX_PARTS 8

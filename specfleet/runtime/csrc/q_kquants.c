@@ -172,6 +172,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
     for (int64_t b = 0; b < nb; b++) {
+        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_k));
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         wreg q[NREG];
@@ -269,6 +270,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
+        if (R == 1) stream_ahead(&w[b], sizeof(b_q6_k));
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, even));
@@ -342,6 +344,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const b_q4_k *w = (const b_q4_k *)wrow;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
+        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_k));
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
@@ -371,6 +374,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
     const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
+        if (R == 1) stream_ahead(&w[b], sizeof(b_q6_k));
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));

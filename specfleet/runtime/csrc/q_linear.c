@@ -14,7 +14,7 @@
 #include "q_common.h"
 
 #define XCHUNK 64 /* activation rows swept per weight row before moving on */
-#define RCH 16    /* weight rows per scheduled chunk */
+#define RCH 64    /* weight rows per scheduled chunk: contiguous enough for the hardware prefetcher (16 streamed 15 % slower at one row) */
 #define QUANT_PAR_ROWS 32 /* fewer rows are quantized on one thread: cheaper than another fork and join */
 
 static int is_k_type(int type) { return type == T_Q4_K || type == T_Q6_K; }
