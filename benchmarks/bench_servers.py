@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -46,7 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(system: str, gguf: Path, model_name: str, port: int, llama_server: str | None, slots: int) -> list[str]:
+def command(system: str, gguf: Path, model_name: str, port: int, llama_server: str | None, slots: int,
+            llama_args: tuple[str, ...] = ()) -> list[str]:
     if system.startswith("specfleet"):
         cmd = [str(Path(sys.executable).with_name("specfleet")), "serve", "--model", model_name, "--port", str(port),
                "--max-num-seqs", str(max(slots, 8))]
@@ -54,7 +56,7 @@ def command(system: str, gguf: Path, model_name: str, port: int, llama_server: s
     if llama_server is None:
         raise SystemExit(f"{system} needs --llama-server PATH (a native build of llama.cpp)")
     # slots for the concurrent streams, each with room for a prompt and its answer; threads left at llama.cpp's default
-    cmd = [llama_server, "-m", str(gguf), "--port", str(port), "-np", str(slots), "-c", str(2048 * slots)]
+    cmd = [llama_server, "-m", str(gguf), "--port", str(port), "-np", str(slots), "-c", str(2048 * slots), *llama_args]
     return cmd + (["--spec-type", "ngram-mod"] if system == "llama-server-ngram" else [])
 
 
@@ -127,6 +129,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--llama-args", default="", help="extra llama-server options, only where its defaults fail on "
+                    "this CPU (e.g. '--no-repack' where its AMX path crashes); recorded with the command")
     ap.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
                     help="send the prompts once more, one at a time (time to first token of cached prompts)")
     args = ap.parse_args()
@@ -144,7 +148,7 @@ def main() -> int:
     for rnd in range(args.rounds):
         order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
         for system in order:
-            cmd = command(system, gguf, args.model, free_port(), args.llama_server, slots)
+            cmd = command(system, gguf, args.model, free_port(), args.llama_server, slots, tuple(shlex.split(args.llama_args)))
             proc, url = start(cmd, logdir / f"{system}-{rnd}.log")
             try:
                 model = model_id(url)

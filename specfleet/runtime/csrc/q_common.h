@@ -20,9 +20,6 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 8 /* activation rows multiplied by each unpacked weight row at once */
-#ifndef PF_ROWS
-#define PF_ROWS 4 /* weight rows prefetched ahead by the several-row loops (0: none) */
-#endif
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
 
@@ -33,10 +30,7 @@ typedef struct { _Alignas(64) int8_t q[256]; float fsum[8]; int16_t bsum[16]; fl
 
 /* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
  * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate
- * (a residual add fused into the product). The epilogue is the same whatever M is. The weight row
- * PF_ROWS ahead (in the same chunk) is prefetched while a row is multiplied: with the hardware
- * prefetcher alone the 0.5B's 146 MB output head (one row of activations) read at about 13 GB/s of
- * the machine's ~20; prefetching makes it 8-15 % faster. Prefetches change no result. */
+ * (a residual add fused into the product). The epilogue is the same whatever M is. */
 typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,
                         int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,
                         const float *bias, int accumulate);
@@ -87,17 +81,14 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
-/* A one-row product (a decode step) streams its weights from memory: each block asks for the lines
- * PF_BYTES further on (past the row's end, the next row's: rows follow each other), spread evenly. At one
- * row this read the 1.5B's matrices 10-15 % faster than prefetching whole rows ahead, which bunched
- * requests that the hardware then dropped. Prefetches change no result. */
+/* Every product streams its weights from memory: each block asks for the lines PF_BYTES further on (past
+ * a row's end, the next row's: rows follow each other), spread evenly over the blocks. At one to eight
+ * activation rows (decode, verification) this read the 1.5B's matrices 10-20 % faster than the earlier
+ * prefetch of whole rows a few rows ahead, whose bunched requests the hardware dropped; at more rows the
+ * extra prefetches of lines already cached cost nothing measurable. Prefetches change no result. */
 ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
     const char *p = (const char *)block + PF_BYTES;
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
-
-ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
 }
 
 #define ACC_INIT(R)                                             \
@@ -115,7 +106,7 @@ ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
         if (c1 - c0 == 1) { /* one activation row (a decode step): the same FN with R = 1, less set-up */ \
             const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
             float *yr = y + c0 * ldy;                                                             \
-            for (int64_t n = n0; n < n1; n++) { /* FN streams its weights itself (stream_ahead) */ \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
                 float v;                                                                          \
                 FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
                 if (bias) v += bias[n];                                                           \
@@ -125,7 +116,6 @@ ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
         }                                                                                         \
         for (int64_t n = n0; n < n1; n++) {                                                       \
             const uint8_t *wrow = W + n * row_bytes;                                              \
-            if (PF_ROWS > 0 && c0 == 0 && n + PF_ROWS < n1) prefetch_row(W + (n + PF_ROWS) * row_bytes, row_bytes); \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
@@ -163,10 +153,6 @@ ALWAYS_INLINE void prefetch_row(const uint8_t *row, int64_t bytes) {
         if (c1 - c0 > 1)                                                                          \
             for (; n + 1 < n1; n += 2) {                                                          \
                 const uint8_t *w0 = W + n * row_bytes, *w1 = w0 + row_bytes;                      \
-                if (PF_ROWS > 0 && c0 == 0 && n + 1 + PF_ROWS < n1) {                             \
-                    prefetch_row(w0 + PF_ROWS * row_bytes, row_bytes);                            \
-                    prefetch_row(w1 + PF_ROWS * row_bytes, row_bytes);                            \
-                }                                                                                 \
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                      \
                     const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                         \
                     const XT *xs[TILE];                                                           \

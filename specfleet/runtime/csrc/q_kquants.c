@@ -172,7 +172,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_k));
+        stream_ahead(&w[b], sizeof(b_q4_k));
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         wreg q[NREG];
@@ -213,6 +213,8 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q4_k));
+        stream_ahead(&w1[b], sizeof(b_q4_k));
         __m256 fd0, fm0, fd1, fm1;
         q4k_float_scales(&w0[b], &fd0, &fm0);
         q4k_float_scales(&w1[b], &fd1, &fm1);
@@ -270,7 +272,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q6_k));
+        stream_ahead(&w[b], sizeof(b_q6_k));
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, even));
@@ -304,6 +306,8 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q6_k));
+        stream_ahead(&w1[b], sizeof(b_q6_k));
         const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
         const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
         const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
@@ -344,7 +348,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const b_q4_k *w = (const b_q4_k *)wrow;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_k));
+        stream_ahead(&w[b], sizeof(b_q4_k));
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
@@ -374,7 +378,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
     const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q6_k));
+        stream_ahead(&w[b], sizeof(b_q6_k));
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));

@@ -80,7 +80,7 @@ ALWAYS_INLINE void dot_q4_0(const uint8_t *wrow, int64_t nb, const xq32 *const *
     ACC_INIT(R)
     const b_q4_0 *w = (const b_q4_0 *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_0));
+        stream_ahead(&w[b], sizeof(b_q4_0));
         const float d = h2f(w[b].d);
         const __m256i q = nibbles32(w[b].qs);
         for (int r = 0; r < R; r++) {
@@ -97,7 +97,7 @@ ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *
     ACC_INIT(R)
     const b_q4_1 *w = (const b_q4_1 *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q4_1));
+        stream_ahead(&w[b], sizeof(b_q4_1));
         const float d = h2f(w[b].d), m = h2f(w[b].m);
         const __m256i q = nibbles32(w[b].qs);
         for (int r = 0; r < R; r++) {
@@ -114,7 +114,7 @@ ALWAYS_INLINE void dot_q5_0(const uint8_t *wrow, int64_t nb, const xq32 *const *
     ACC_INIT(R)
     const b_q5_0 *w = (const b_q5_0 *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q5_0));
+        stream_ahead(&w[b], sizeof(b_q5_0));
         const float d = h2f(w[b].d);
         const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), highbits32(w[b].qh));
         for (int r = 0; r < R; r++) {
@@ -131,7 +131,7 @@ ALWAYS_INLINE void dot_q8_0(const uint8_t *wrow, int64_t nb, const xq32 *const *
     ACC_INIT(R)
     const b_q8_0 *w = (const b_q8_0 *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) stream_ahead(&w[b], sizeof(b_q8_0));
+        stream_ahead(&w[b], sizeof(b_q8_0));
         const float d = h2f(w[b].d);
         const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
         const __m256i aq = _mm256_sign_epi8(q, q); /* |w|, and the sign moves onto x */
@@ -158,6 +158,8 @@ ALWAYS_INLINE void dot2_offset(const uint8_t *row0, const uint8_t *row1, int64_t
     const int32_t off = five_bit ? 16 : 8;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p0 = row0 + b * bs, *p1 = row1 + b * bs;
+        stream_ahead(p0, bs);
+        stream_ahead(p1, bs);
         __m256i q0, q1;
         if (five_bit) {
             const b_q5_0 *a = (const b_q5_0 *)p0, *c = (const b_q5_0 *)p1;
