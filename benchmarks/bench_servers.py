@@ -126,6 +126,7 @@ def main() -> int:
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--systems", nargs="+", default=["llama-server", "specfleet", "specfleet-plain"], choices=SYSTEMS)
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--dataset", default="humaneval", help="prompt set of specfleet.bench.datasets (humaneval, sharegpt, ...)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
@@ -140,7 +141,7 @@ def main() -> int:
     from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
 
     gguf = gguf_path(args.model)
-    source, _ = iter_prompts("humaneval")
+    source, _ = iter_prompts(args.dataset)
     prompts = [p.text for p in select(source, args.prompts)]
     logdir = Path(tempfile.mkdtemp(prefix="bench-servers-"))
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -186,10 +187,11 @@ def main() -> int:
     base_texts = runs[args.systems[0]][0]["pools"][0]["texts"]
     same = {s: sum(a == b for a, b in zip(base_texts, runs[s][0]["pools"][0]["texts"])) for s in args.systems}
     meta = run_metadata("servers", dtype="gguf")
-    payload = {"model": args.model, "gguf": str(gguf), "prompts": args.prompts, "max_tokens": args.max_tokens,
+    payload = {"model": args.model, "gguf": str(gguf), "dataset": args.dataset, "prompts": args.prompts,
+               "max_tokens": args.max_tokens,
                "rounds": args.rounds, "runs": runs, "summary": rows, "outputs_equal_to_first_system": same,
                "threads": "each server's own default (no OMP_* variables passed to either)"}
-    body = (f"Servers in their own processes, default threading, {args.prompts} HumanEval prompts, greedy, "
+    body = (f"Servers in their own processes, default threading, {args.prompts} {args.dataset} prompts, greedy, "
             f"{args.max_tokens} tokens, streamed on /v1/completions; medians over {args.rounds} round(s) in "
             f"alternating order. 'repeat TTFT': the same prompts again, one at a time.\n\n"
             + md_table(rows, list(rows[0]))

@@ -21,6 +21,7 @@ def machine_info(device: str = "cpu") -> dict:
         "hostname_class": platform.machine(),
         "cpu": _cpu_name(),
         "isa": cpu_isa(),
+        "kernel_isa": kernel_isa(),
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default)"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
@@ -51,6 +52,16 @@ def cpu_isa() -> list[str]:
 
     have = cpu_flags()
     return [f for f in ISA_FLAGS if f in have]
+
+
+def kernel_isa() -> str:
+    """The ISA path of the GGUF block-format kernels in this process (runtime/qtensor.py), or why none runs."""
+    from specfleet.runtime import qtensor
+
+    try:
+        return qtensor.isa() or f"none ({qtensor.unavailable_reason()})"
+    except ValueError as e:  # a SPECFLEET_ISA this CPU cannot run
+        return f"none ({e})"
 
 
 def _cpu_name() -> str:
@@ -84,7 +95,8 @@ def run_metadata(name: str, device: str = "cpu", dtype: str = "", command: str |
 def markdown_header(meta: dict) -> str:
     m, device = meta["machine"], meta["machine"]["device"]
     return (f"# {meta['benchmark']}\n\n- command: `{meta['command']}`\n- when (UTC): {meta['timestamp_utc']}\n"
-            f"- machine: {m['cpu']} ({'+'.join(m.get('isa', [])) or 'ISA unknown'}), {m['cpu_count']} cores, "
+            f"- machine: {m['cpu']} ({'+'.join(m.get('isa', [])) or 'ISA unknown'}; kernels: {m.get('kernel_isa', '?')}), "
+            f"{m['cpu_count']} cores, "
             f"torch threads {m['torch_threads']}, OMP_WAIT_POLICY {m.get('omp_wait_policy', '-')}"
             f"{', GPU ' + m['gpu'] if 'gpu' in m else ''}\n- device: {device}, dtype: {meta['dtype']}\n"
             f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
