@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from specfleet.runtime import native, qtensor
 from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, fused_parts, run_fused, run_qlinear
-from tests.test_qkernels import FORMATS, block_of, random_blocks
+from test_qkernels import FORMATS, block_of, random_blocks
 
 FAST_PATHS = [p for p in qtensor.ISA_PATHS if p != "avx2"]
 
