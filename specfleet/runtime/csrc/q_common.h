@@ -78,6 +78,24 @@ ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
 #endif
 }
 
+#ifdef SF_VNNI512
+/* Row pairs (DEFINE_COLUMNS_PAIRED): two weight rows' 256-bit registers side by side in one 512-bit
+ * register, an activation's register in both halves, and each half's 8-lane accumulator summed as the
+ * one-row kernels sum theirs. */
+ALWAYS_INLINE __m512i pair_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+ALWAYS_INLINE __m512 pair_f(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+ALWAYS_INLINE __m512i both_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)p)); }
+ALWAYS_INLINE __m512 both_f(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd((const double *)p))); }
+ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
+    for (int r = 0; r < R; r++) {
+        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
+        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    }
+}
+#endif
+
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif

@@ -193,19 +193,6 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
  * register t is loaded into both halves. So a vpdpbusd serves two weight rows, the sub-block totals need
  * no folding, and each block's fp32 epilogue runs once for both rows; lane by lane it is the one-row
  * epilogue (q4k_block_acc), so a row's bits do not depend on whether it was paired. */
-ALWAYS_INLINE __m512i pair_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
-ALWAYS_INLINE __m512 pair_f(__m256 a, __m256 b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-ALWAYS_INLINE __m512i both_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)p)); }
-ALWAYS_INLINE __m512 both_f(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd((const double *)p))); }
-ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
-    for (int r = 0; r < R; r++) {
-        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
-        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-    }
-}
-
 ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
                              float *out0, float *out1) {
     __m512 acc[TILE];

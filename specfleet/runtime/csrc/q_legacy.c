@@ -169,20 +169,16 @@ ALWAYS_INLINE void dot2_offset(const uint8_t *row0, const uint8_t *row1, int64_t
             q0 = nibbles32(((const b_q4_0 *)p0)->qs);
             q1 = nibbles32(((const b_q4_0 *)p1)->qs);
         }
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(
-                              _mm256_set1_ps(h2f(*(const uint16_t *)p0)))), _mm256_castps_pd(_mm256_set1_ps(h2f(*(const uint16_t *)p1))), 1));
+        const __m512i q = pair_i(q0, q1);
+        const __m512 dw = pair_f(_mm256_set1_ps(h2f(*(const uint16_t *)p0)), _mm256_set1_ps(h2f(*(const uint16_t *)p1)));
         for (int r = 0; r < R; r++) {
             const xq32 *xb = &x[r][b];
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)xb->q)));
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, both_i(xb->q));
             p = _mm512_sub_epi32(p, _mm512_maskz_set1_epi32(0x0101, off * xb->sum));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
-        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-    }
+    pair_out(acc, R, out0, out1);
 }
 ALWAYS_INLINE void dot2_q4_0(const uint8_t *w0, const uint8_t *w1, int64_t nb, const xq32 *const *x, int R, float *o0, float *o1) {
     dot2_offset(w0, w1, nb, x, R, o0, o1, 0);
