@@ -36,7 +36,7 @@ def specfleet_child(model: str, repeats: int) -> dict:
 
     from specfleet.bench.gguf_micro import verify_costs
     from specfleet.llm import LLM
-    from specfleet.runtime import qtensor
+    from specfleet.runtime import native_backend
     from specfleet.runtime.model_runner import ForwardItem
 
     llm = LLM(model, draft="none", quantization="auto")
@@ -66,7 +66,7 @@ def specfleet_child(model: str, repeats: int) -> dict:
     one, costs = verify_costs(engine, [ids], repeats)
     return {"tg_tok_s": max(tg), "pp_tok_s": max(pp), "decode_step_ms_at_128": one * 1e3,
             **{f"c({k})": c for k, c in enumerate(costs, 1)},
-            "kernel_isa": qtensor.isa(), "threads": torch.get_num_threads()}
+            "kernel_isa": native_backend.isa(), "threads": torch.get_num_threads()}
 
 
 def run_specfleet(path: str, model: str, repeats: int) -> dict:
@@ -116,10 +116,10 @@ def main() -> None:
 
     from specfleet.bench.llamacpp import gguf_path
     from specfleet.bench.report import md_table, write_results
-    from specfleet.runtime import qtensor
+    from specfleet.runtime import native_backend
 
     gguf = str(gguf_path(args.model))
-    paths = args.isa or qtensor.runnable_isas()
+    paths = args.isa or native_backend.runnable_isas()
     systems = [f"specfleet {p}" for p in paths] + (["llama.cpp"] if args.llama_bench else [])
     per_round: list[dict] = []
     for r in range(args.rounds):

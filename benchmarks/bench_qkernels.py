@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as T
 
 from specfleet.bench.report import md_table, write_results
 from specfleet.runtime import model as model_mod
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.runtime.qtensor import QTensor, qlinear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused); [N, K]
@@ -59,7 +59,7 @@ def random_weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> QTensor
 def quant_fns(qtype: T, shapes: dict, rng, path: str | None = None) -> list:
     """One format's layers through the kernels of ISA path `path` (default: the one qlinear uses)."""
     ws = [random_weight(qtype, n, k, rng) for n, k in shapes.values()]
-    lib = qtensor._get(path) if path else None
+    lib = native_backend.library(path) if path else None
     if lib is not None:
         return [(lambda x, w=w: qtensor.run_qlinear(lib, x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
     return [(lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--head", action="store_true", help="also the 151936 x 1536 output head")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gguf", default=None, help="time every matrix of this GGUF file instead (no bf16 systems)")
-    ap.add_argument("--isa", nargs="+", default=None, choices=list(qtensor.ISA_PATHS),
+    ap.add_argument("--isa", nargs="+", default=None, choices=list(native_backend.ISA_PATHS),
                     help="time each format on these kernel ISA paths side by side (default: the one in use)")
     ap.add_argument("--no-bf16", action="store_true", help="leave out the bf16 systems")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
@@ -135,8 +135,8 @@ def main() -> None:
         ap.error("--clock thread measures one thread's CPU time: use it with --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not qtensor.available():
-        print(f"the native kernels are UNAVAILABLE here ({qtensor.unavailable_reason()}): timing the fallback")
+    if not native_backend.available():
+        print(f"the native kernels are UNAVAILABLE here ({native_backend.unavailable_reason()}): timing the fallback")
     load_before = os.getloadavg()[0]  # other processes on a shared machine: in the report
     if args.gguf:
         fns, shapes = gguf_fns(args.gguf)
@@ -166,9 +166,9 @@ def main() -> None:
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins)")
     load = (load_before, os.getloadavg()[0])
     payload = {"args": vars(args), "shapes": shapes, "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy,
-               "kernel_isa": qtensor.isa(), "runnable_isas": qtensor.runnable_isas(),
+               "kernel_isa": native_backend.isa(), "runnable_isas": native_backend.runnable_isas(),
                "load_average_1min": load,
-               "native_available": qtensor.available(), "native_unavailable_reason": qtensor.unavailable_reason(),
+               "native_available": native_backend.available(), "native_unavailable_reason": native_backend.unavailable_reason(),
                "results": {name: {str(m): t for m, t in times.items()} for name, times in best.items()}}
     if args.gguf:
         what = f"every matrix of {args.gguf} but the embedding ({len(shapes)} of them, in the file's formats)"
@@ -178,7 +178,7 @@ def main() -> None:
                 "routes (runtime/cpu_linear.py)")
     body = (f"One pass through the linear layers: {what}. Block formats run runtime/qtensor.py's native kernels "
             "(int8 activations, integer dot products). Best of repeats, systems alternating; "
-            f"kernel ISA path {args.isa or qtensor.isa()}; {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
+            f"kernel ISA path {args.isa or native_backend.isa()}; {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
             f"1-minute load average {load[0]:.1f} before and {load[1]:.1f} after (other work shares the cores). "
             "GB_per_s: weight bytes read per second at one row; GFLOP_per_s: 2 x rows x weights per second.\n\n"
             + md_table(table, ["weights", "rows", "ms", "vs_one_row", "GB_per_s", "GFLOP_per_s"]))

@@ -9,22 +9,23 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 
-pytestmark = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not native_backend.available(), reason=f"native kernels: {native_backend.unavailable_reason()}")
 
 from specfleet.runtime import model as model_mod  # noqa: E402
 from specfleet.runtime.attention import AttentionBatch, SeqAttention, _attend  # noqa: E402
 from specfleet.runtime.step_plan import KeyPlan, native_attend  # noqa: E402
 from specfleet.runtime.native_forward import native_lib  # noqa: E402
 from specfleet.runtime.qlinear import QLinear  # noqa: E402
-from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, quantize_activations  # noqa: E402
+from specfleet.runtime.native_backend import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL  # noqa: E402
+from specfleet.runtime.qtensor import quantize_activations  # noqa: E402
 from test_qkernels import dense64, random_blocks  # noqa: E402
 from tiny_models import tree_mask  # noqa: E402
 
 
 def lib():
-    return qtensor._get()
+    return native_backend.library()
 
 
 def reference(x, parts, pre, norm_w, eps):

@@ -22,7 +22,7 @@ from specfleet.distill.head_data import extract, load_shards, stdlib_files
 from specfleet.distill.head_train import TrainConfig, evaluate, train
 from specfleet.drafting.head import HeadDraftConfig, HeadProposer, init_from_target, load_head, save_head
 from specfleet.engine.engine import Engine
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
@@ -46,8 +46,8 @@ def test_feature_log_keeps_positions():
 # -- SmolLM2: training and the engine ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    if not qtensor.available():
-        pytest.skip(f"native kernels: {qtensor.unavailable_reason()}")
+    if not native_backend.available():
+        pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
     from conftest import real_model_path
     from specfleet.runtime.load import load_model
 

@@ -1,4 +1,4 @@
-"""The block-format kernels' ISA paths (runtime/qtensor.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI).
+"""The block-format kernels' ISA paths (runtime/native_backend.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI).
 
 Contract: every path the CPU can run computes bit for bit what the AVX2 path computes, for every format,
 every row count (each row-tile tail) and through the fused entry point with its input transforms. So the
@@ -10,28 +10,29 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specfleet.runtime import native, qtensor
-from specfleet.runtime.qtensor import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL, fused_parts, run_fused, run_qlinear
+from specfleet.runtime import native, native_backend, qtensor
+from specfleet.runtime.native_backend import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL
+from specfleet.runtime.qtensor import fused_parts, run_fused, run_qlinear
 from test_qkernels import FORMATS, block_of, random_blocks
 
-FAST_PATHS = [p for p in qtensor.ISA_PATHS if p != "avx2"]
+FAST_PATHS = [p for p in native_backend.ISA_PATHS if p != "avx2"]
 
 
 def _lib_or_skip(path: str):
-    if path not in qtensor.runnable_isas():
-        needs = qtensor.ISA_PATHS[path][0]
+    if path not in native_backend.runnable_isas():
+        needs = native_backend.ISA_PATHS[path][0]
         pytest.skip(f"this CPU cannot run the {path} kernels (needs {', '.join(needs)}; "
                     f"has {sorted(f for f in native.cpu_flags() if 'avx' in f) or 'none of them'})")
-    lib = qtensor._get(path)
-    assert lib is not None, qtensor._reasons.get(path)
+    lib = native_backend.library(path)
+    assert lib is not None, native_backend._reasons.get(path)
     return lib
 
 
 def test_the_best_runnable_path_is_chosen_and_named():
-    paths = qtensor.runnable_isas()
+    paths = native_backend.runnable_isas()
     if not paths:
-        pytest.skip(f"no native kernels here: {qtensor._missing()}")
-    assert qtensor.isa() == paths[0]
+        pytest.skip(f"no native kernels here: {native_backend.missing()}")
+    assert native_backend.isa() == paths[0]
     assert "avx2" in paths
     for path in paths:  # each library says which path it was built for (checked at load, too)
         assert _lib_or_skip(path).specfleet_q_isa().decode() == path
@@ -40,12 +41,12 @@ def test_the_best_runnable_path_is_chosen_and_named():
 def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("SPECFLEET_ISA", "avx9000")
     with pytest.raises(ValueError, match="not a kernel path"):
-        qtensor.isa()
-    missing = [p for p in qtensor.ISA_PATHS if p not in qtensor.runnable_isas()]
-    if missing and qtensor.runnable_isas():
+        native_backend.isa()
+    missing = [p for p in native_backend.ISA_PATHS if p not in native_backend.runnable_isas()]
+    if missing and native_backend.runnable_isas():
         monkeypatch.setenv("SPECFLEET_ISA", missing[0])
         with pytest.raises(ValueError, match="cannot run it"):
-            qtensor.isa()
+            native_backend.isa()
 
 
 @pytest.mark.parametrize("path", FAST_PATHS)

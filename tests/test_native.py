@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfleet.runtime import native
+from specfleet.runtime import native, native_backend
 from specfleet.runtime.cpu_linear import cpu_linear
 
 
@@ -73,9 +73,9 @@ def test_unavailable_kernel_reports_why_and_routes_fall_back(monkeypatch, tmp_pa
     cases = {"no compiler": ("CC", str(tmp_path / "no-such-cc"), "no C compiler"),
              "turned off": ("SPECFLEET_NATIVE", "0", "SPECFLEET_NATIVE=0")}
     for case, (var, value, expect) in cases.items():
-        monkeypatch.setattr(native, "_tried", False)
-        monkeypatch.setattr(native, "_lib", None)
-        monkeypatch.setattr(native, "_reason", None)
+        monkeypatch.setattr(native_backend, "_libs", {})  # forget the real library until monkeypatch.undo()
+        monkeypatch.setattr(native_backend, "_reasons", {})
+        monkeypatch.setattr(native_backend, "_default", None)
         monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv(var, value)
         if case == "no compiler":

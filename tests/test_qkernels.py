@@ -11,13 +11,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.runtime.qtensor import QTensor, qlinear, quantize, quantize_activations
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 
-needs_native = pytest.mark.skipif(qtensor._missing() is not None,
-                                  reason=f"cannot build the kernels here: {qtensor._missing()}")
+needs_native = pytest.mark.skipif(native_backend.missing() is not None,
+                                  reason=f"cannot build the kernels here: {native_backend.missing()}")
 
 
 def random_blocks(qtype, n: int, k: int, seed: int = 0) -> QTensor:
@@ -57,7 +57,7 @@ def block_of(qtype) -> int:
 def test_kernels_build_where_they_can():
     """Where the prerequisites hold the kernels must build (a broken kernel must not hide behind the
     silent fallback)."""
-    assert qtensor.available(), qtensor.unavailable_reason()
+    assert native_backend.available(), native_backend.unavailable_reason()
 
 
 def test_activation_round_trip_is_the_documented_int8():
@@ -280,10 +280,13 @@ def test_bad_input_is_a_clear_error():
 
 
 def _turn_off(monkeypatch, tmp_path):
-    monkeypatch.setattr(qtensor, "_libs", {})
-    monkeypatch.setattr(qtensor, "_reasons", {})
+    """SPECFLEET_NATIVE=0 for the rest of the test; the backend forgets its library now and again after the
+    environment is restored, so the next test loads the real one."""
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECFLEET_NATIVE", "0")
+    monkeypatch.setattr(native_backend, "_libs", {})  # restored with the environment
+    monkeypatch.setattr(native_backend, "_reasons", {})
+    monkeypatch.setattr(native_backend, "_default", None)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -295,10 +298,10 @@ def test_fallback_equals_the_kernel_and_says_why(qtype, monkeypatch, tmp_path):
     w = random_blocks(qtype, n, k, seed=9)
     x = torch.randn(6, k)
     bias = torch.randn(n)
-    native_y = qlinear(x, w, bias) if qtensor.available() else None
+    native_y = qlinear(x, w, bias) if native_backend.available() else None
     _turn_off(monkeypatch, tmp_path)
-    assert not qtensor.available()
-    assert "SPECFLEET_NATIVE=0" in qtensor.unavailable_reason()
+    assert not native_backend.available()
+    assert "SPECFLEET_NATIVE=0" in native_backend.unavailable_reason()
     y = qlinear(x, w, bias)
     ref = quantize_activations(x, qtype).double() @ dense64(w).t() + bias.double()
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)

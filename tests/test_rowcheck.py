@@ -11,12 +11,12 @@ from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.runtime import model as model_mod
 from specfleet.runtime.native_forward import native_lib
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
 pytestmark = [pytest.mark.real_model,
-              pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")]
+              pytest.mark.skipif(not native_backend.available(), reason=f"native kernels: {native_backend.unavailable_reason()}")]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # weightless drafts that branch (vote and fleet merges, n-gram siblings) and a cut model's best-first tree
 # the CPU default (chains and the odd suffix-tree branch) and a cut model's best-first tree (gathered keys, 17+ rows)

@@ -56,10 +56,10 @@ def cpu_isa() -> list[str]:
 
 def kernel_isa() -> str:
     """The ISA path of the GGUF block-format kernels in this process (runtime/qtensor.py), or why none runs."""
-    from specfleet.runtime import qtensor
+    from specfleet.runtime import native_backend
 
     try:
-        return qtensor.isa() or f"none ({qtensor.unavailable_reason()})"
+        return native_backend.isa() or f"none ({native_backend.unavailable_reason()})"
     except ValueError as e:  # a SPECFLEET_ISA this CPU cannot run
         return f"none ({e})"
 

@@ -356,10 +356,10 @@ class _QHead:
 
     @staticmethod
     def quantize(head: FeatureHead) -> FeatureHead:
-        from specfleet.runtime import qtensor
+        from specfleet.runtime import native_backend, qtensor
         from specfleet.runtime.qlinear import QLinear
 
-        if not qtensor.available():
+        if not native_backend.available():
             return head
         for name in ("fc", "qkv", "o", "gate_up", "down", "lm"):
             lin = getattr(head, name)

@@ -1,44 +1,29 @@
-"""specfleet's native CPU kernel: the bf16-weight linear of csrc/bf16_linear.c, built on first use.
+"""The build side of specfleet's native CPU code and the bf16-weight linear of csrc/bf16_linear.c.
 
-The kernel is plain C (AVX2 + FMA intrinsics, OpenMP), compiled with the system C compiler into
-`<cache root>/native/` and loaded with ctypes: no torch headers, so a build takes about two seconds,
-and ctypes releases the GIL for the call, so drafter threads overlap it. OpenMP is linked by soname
+`compile_library` compiles C sources with the system C compiler into `<cache root>/native/` and loads
+them with ctypes: no torch headers, so a build takes seconds. OpenMP is linked by soname
 (`libgomp.so.1`), which resolves to the copy torch has already loaded, so both share one thread pool
-runtime. The library's name carries a hash of the source and the build command, so an edited kernel
-is rebuilt; builds go to a temporary file renamed into place, so concurrent processes never load a
-half-written library. `compile_library` does the same for other kernels (runtime/qtensor.py builds
-the GGUF block-format kernels from several sources and a shared header, all of them in the hash).
+runtime. The library's name carries a hash of the sources, the headers and the build command, so an
+edited kernel is rebuilt; builds go to a temporary file renamed into place, so concurrent processes never
+load a half-written library. runtime/native_backend.py is the one loader of the kernels it builds.
+`cpu_flags` is the one reader of the CPU's flags.
 
-Where the kernel cannot be used (not x86-64 Linux, a CPU without AVX2/FMA, no compiler, a failed
-build, `SPECFLEET_NATIVE=0`) `bf16_linear_available()` is False and callers keep torch's routes;
-the reason is logged once and kept in `unavailable_reason()`.
+`bf16_linear` is the dense bf16 product of native_backend's library (the same library as the GGUF kernels);
+where it cannot be used (see native_backend: not x86-64 Linux, a CPU without AVX2/FMA/F16C, no compiler, a
+failed build, `SPECFLEET_NATIVE=0`) `bf16_linear_available()` is False and callers keep torch's routes.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI = 1  # bump with specfleet_native_abi() in the C source
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None  # why the kernel is unavailable, once known
-_tried = False
-
 
 _cpu_flags: frozenset[str] | None = None
 
@@ -61,12 +46,12 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
-def _build(out: Path, compiler: str, sources: list[Path] | None = None, flags: list[str] = FLAGS) -> None:
+def _build(out: Path, compiler: str, sources: list[Path], flags: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, *(str(s) for s in sources or [SOURCE]), "-o", tmp]
+        cmd = [compiler, *flags, *(str(s) for s in sources), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -120,52 +105,31 @@ def missing_prerequisite() -> str | None:
     return None
 
 
-def _load() -> ctypes.CDLL:
-    lib = compile_library(SOURCE, FLAGS)
-    if lib.specfleet_native_abi() != ABI:
-        raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_native_abi()}, expected {ABI}")
-    fn = lib.specfleet_bf16_linear
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
-    return lib
-
-
-def _get() -> ctypes.CDLL | None:
-    global _lib, _reason, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _lib = _load()
-            except Exception as e:  # noqa: BLE001 -- any failure means: keep torch's routes
-                _reason = str(e)
-                log.info("specfleet native bf16 kernel unavailable: %s", _reason)
-            _tried = True
-    return _lib
-
-
 def bf16_linear_available() -> bool:
-    return _get() is not None
+    from specfleet.runtime import native_backend
+
+    return native_backend.available()
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it is unavailable (built on the first call)."""
-    return _get()
+    """The loaded kernel library (native_backend's), or None where it is unavailable (built on the first call)."""
+    from specfleet.runtime import native_backend
+
+    return native_backend.library()
 
 
 def unavailable_reason() -> str | None:
-    _get()
-    return _reason
+    from specfleet.runtime import native_backend
+
+    return native_backend.unavailable_reason()
 
 
 def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
     fp32 sums. Checks its arguments; raises if the kernel is unavailable."""
-    lib = _get()
+    lib = library()
     if lib is None:
-        raise RuntimeError(f"the native bf16 kernel is unavailable: {_reason}")
+        raise RuntimeError(f"the native bf16 kernel is unavailable: {unavailable_reason()}")
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
     if x2.dim() != 2 or x2.shape[1] != weight.shape[1]:

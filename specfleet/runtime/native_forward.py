@@ -45,9 +45,9 @@ def native_lib(model, input_ids: torch.Tensor, kv: KVCache):
         model._native_ok = ok
     if not ok:
         return None
-    from specfleet.runtime import qtensor
+    from specfleet.runtime import native_backend
 
-    return qtensor._get()
+    return native_backend.library()
 
 def forward_native(model, lib, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                    kv: KVCache) -> torch.Tensor:
@@ -88,7 +88,7 @@ def forward_native(model, lib, input_ids: torch.Tensor, positions: torch.Tensor,
 def native_layers(model, kv: KVCache):
     """The ctypes array of NativeLayer for `specfleet_decode_layers` over `kv` (made once per KV cache;
     it points into the layers' weights and the cache, which this model and `kv` keep alive)."""
-    from specfleet.runtime.qtensor import NativeLayer
+    from specfleet.runtime.native_backend import NativeLayer
 
     key = tuple(c.data_ptr() for c in (*kv.k, *kv.v))
     cached = getattr(model, "_native_layers_cache", None)

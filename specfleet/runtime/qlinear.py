@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.runtime.cpu_linear import cpu_linear
 from specfleet.runtime.qtensor import QTensor, qlinear
 
@@ -81,7 +81,7 @@ class QLinear(nn.Module):
         return [w.qtype.name if isinstance(w, QTensor) else "F32" for w, _ in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] fp32 -> [rows, out] fp32
-        lib = qtensor._get() if self.all_quantized else None
+        lib = native_backend.library() if self.all_quantized else None
         if (lib is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.shape[1] == self.in_features):
             # one call for every part, bit for bit what the per-part products and the cat give
@@ -96,9 +96,9 @@ class QLinear(nn.Module):
             self._cparts = qtensor.fused_parts(self.parts)
         return self._cparts
 
-    def fused(self, lib, x: torch.Tensor, y: torch.Tensor, pre: int = qtensor.PRE_NONE,
+    def fused(self, lib, x: torch.Tensor, y: torch.Tensor, pre: int = native_backend.PRE_NONE,
               pre_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False) -> torch.Tensor:
-        """`qtensor.run_fused` over this layer's parts (all QTensors; `lib` from `qtensor._get()`): y
+        """`qtensor.run_fused` over this layer's parts (all QTensors; `lib` from `native_backend.library()`): y
         [rows, out_features] (=, or += with `accumulate`) pre(x) @ W^T + bias. No checks: the caller
         (runtime/model.py's native layer path) has made them."""
         if self._cparts is None:

@@ -7,12 +7,12 @@ memory map; Q4_K and Q6_K are copied once with each block's quants re-ordered fo
 (`pack_k`: same block size, scales where they were; `gguf_bytes()` gives the file's order back). Either
 way a model loaded like this costs about the file's size in memory.
 
-`qlinear(x, w)` computes x @ W^T with the native kernel (AVX2 + FMA + F16C + OpenMP, compiled on first
-use into the cache by runtime/native.py and loaded with ctypes, which releases the GIL). The kernel
+`qlinear(x, w)` computes x @ W^T with the native kernel (runtime/native_backend.py: the library of the
+CPU's ISA path, compiled on first use and loaded with ctypes, which releases the GIL). The kernel
 quantizes each row of x to int8 on its own and sums in a fixed order, so a row's result is bit for
 bit the same whatever other rows share the call: verifying k+1 drafted tokens gives each of them
 what decoding it alone gives, which keeps speculation lossless on these weights. Where the kernel
-cannot be built, `available()` is False, `unavailable_reason()` says why, and `qlinear` falls back
+cannot be built, `native_backend.available()` is False and says why, and `qlinear` falls back
 to dequantizing (slow, for tests and odd machines; the model loader prefers dense weights then). The
 same kernel serves every row count (decode, verification, prefill), so batch invariance holds for
 every batch composition; there is no BLAS route above some M.
@@ -24,168 +24,53 @@ quantizers and Q4_K through our own (gguf-py has none for it).
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 import warnings
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES
 
-from specfleet.runtime import kquant_order, native
+from specfleet.runtime import kquant_order
+from specfleet.runtime.native_backend import PRE_NONE, FusedPart, library
 from specfleet.runtime.kquant_order import unpack as unpack_k
 
-log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K})
-K_TYPES = frozenset({T.Q4_K, T.Q6_K})  # 256-weight super-blocks
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What specfleet knows of one GGUF block format (ggml's type_traits, for the formats our kernels run).
+    Every format has one C entry point, `specfleet_q_linear` (and the fused calls), which dispatch on the
+    GGML type id; dequantizing goes through gguf-py for all of them."""
+
+    qtype: T
+    block: int  # weights per block
+    type_size: int  # bytes per block
+    packed: bool  # the kernels keep its blocks in their own order (`pack_k`); also: activations in 256-value blocks
+    quantize: Callable[[np.ndarray], np.ndarray] | None  # fp32 [N, K] -> uint8 blocks in ggml's order; None: read only
+
+
+def _gguf_quantizer(qtype: T) -> Callable[[np.ndarray], np.ndarray]:
+    def quantize(arr: np.ndarray) -> np.ndarray:
+        from gguf.quants import quantize as gguf_quantize
+
+        return gguf_quantize(arr, qtype)
+    return quantize
+
+
+FORMATS: dict[T, BlockFormat] = {f.qtype: f for f in (
+    BlockFormat(T.Q4_0, *GGML_QUANT_SIZES[T.Q4_0], False, _gguf_quantizer(T.Q4_0)),
+    BlockFormat(T.Q4_1, *GGML_QUANT_SIZES[T.Q4_1], False, _gguf_quantizer(T.Q4_1)),
+    BlockFormat(T.Q5_0, *GGML_QUANT_SIZES[T.Q5_0], False, _gguf_quantizer(T.Q5_0)),
+    BlockFormat(T.Q8_0, *GGML_QUANT_SIZES[T.Q8_0], False, _gguf_quantizer(T.Q8_0)),
+    BlockFormat(T.Q4_K, *GGML_QUANT_SIZES[T.Q4_K], True, lambda arr: _quantize_q4_k(arr)),  # gguf-py has none
+    BlockFormat(T.Q6_K, *GGML_QUANT_SIZES[T.Q6_K], True, None),
+)}
+SUPPORTED_TYPES = frozenset(FORMATS)
+K_TYPES = frozenset(t for t, f in FORMATS.items() if f.packed)  # 256-weight super-blocks in the kernels' order
 FALLBACK_ROWS = 4096  # weight rows the fallback dequantizes at a time
-_CSRC = Path(__file__).with_name("csrc")
-# linked into one library; q_fused.c holds the fused per-layer calls of native models (runtime/model.py)
-SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c"]
-HEADERS = (_CSRC / "q_common.h",)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# The kernels' ISA paths, best first: the CPU flags each needs and what it adds to FLAGS. One library is
-# built per path (csrc/q_common.h picks the instructions from the compiler's macros); every path gives
-# the AVX2 path's bits (tests/test_isa_paths.py), so the choice changes speed only. Per-path flags rather
-# than -march=native: the build is the same on every machine with those flags, so its bits are too, and
-# a test can build and compare each path the CPU runs.
-ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
-    "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
-    "avx2": ((), ()),
-}
-ABI = 5  # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths
-# input transforms of `run_fused` (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
-PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
-
-
-class FusedPart(ctypes.Structure):
-    """One weight of a fused product (csrc/q_fused.c's sfq_part)."""
-
-    _fields_ = [("type", ctypes.c_int64), ("W", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
-                ("N", ctypes.c_int64), ("bias", ctypes.c_void_p)]
-
-_lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL | None] = {}  # per ISA path, once tried (None: unavailable, see _reasons)
-_reasons: dict[str, str] = {}
-
-
-class NativeLayer(ctypes.Structure):
-    """One decoder layer for `specfleet_decode_layers` (csrc/q_fused.c's sfq_layer)."""
-
-    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("n_qkv", ctypes.c_int64), ("n_o", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
-                ("n_down", ctypes.c_int64), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
-                ("eps1", ctypes.c_double), ("eps2", ctypes.c_double), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
-
-
-def _missing() -> str | None:
-    reason = native.missing_prerequisite()
-    if reason is None and "f16c" not in native.cpu_flags():
-        reason = "this CPU lacks F16C"
-    return reason
-
-
-def runnable_isas() -> list[str]:
-    """The ISA paths this CPU can run, best first (empty where the kernels cannot run at all)."""
-    if _missing() is not None:
-        return []
-    have = native.cpu_flags()
-    return [name for name, (needs, _) in ISA_PATHS.items() if set(needs) <= have]
-
-
-def isa() -> str | None:
-    """The ISA path the kernels use here: the best the CPU runs, or SPECFLEET_ISA (read once per process,
-    like SPECFLEET_NATIVE) to pin a slower one; None where no path runs."""
-    wanted = os.environ.get("SPECFLEET_ISA", "").strip().lower()
-    paths = runnable_isas()
-    if wanted:
-        if wanted not in ISA_PATHS:
-            raise ValueError(f"SPECFLEET_ISA={wanted!r} is not a kernel path; choose one of {list(ISA_PATHS)}")
-        if wanted not in paths:
-            raise ValueError(f"SPECFLEET_ISA={wanted!r}: this CPU cannot run it (it runs {paths or 'none'})")
-        return wanted
-    return paths[0] if paths else None
-
-
-def _load(path: str) -> ctypes.CDLL:
-    missing = _missing()
-    if missing is not None:
-        raise RuntimeError(missing)
-    if path not in runnable_isas():
-        raise RuntimeError(f"this CPU cannot run the {path} kernels")
-    lib = native.compile_library(SOURCES, FLAGS + list(ISA_PATHS[path][1]), HEADERS)
-    if lib.specfleet_q_abi() != ABI:
-        raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_q_abi()}, expected {ABI}")
-    lib.specfleet_q_isa.restype = ctypes.c_char_p
-    if lib.specfleet_q_isa().decode() != path:
-        raise RuntimeError(f"{lib._name} was built for {lib.specfleet_q_isa().decode()}, expected {path}")
-    fn = lib.specfleet_q_linear
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    lib.specfleet_q_act_row_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
-    lib.specfleet_q_act_row_bytes.restype = ctypes.c_int64
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.specfleet_q_linear_fused.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64]
-    lib.specfleet_q_linear_fused.restype = ctypes.c_int
-    lib.specfleet_rope_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.specfleet_rope_kv.restype = None
-    lib.specfleet_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float,
-                                     ptr, i64]
-    lib.specfleet_attend.restype = ctypes.c_int
-    lib.specfleet_decode_layers.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
-                                            ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
-    lib.specfleet_decode_layers.restype = ctypes.c_int
-    lib.specfleet_k_pack.argtypes = [ctypes.c_int, ptr, ptr, i64, ctypes.c_int]
-    lib.specfleet_k_pack.restype = ctypes.c_int
-    return lib
-
-
-def _get(path: str | None = None) -> ctypes.CDLL | None:
-    """The kernel library of ISA path `path` (default: `isa()`), built on first use; None where it cannot
-    be (the reason in `unavailable_reason()`)."""
-    if path is None:
-        if _libs.get("default") is not None:  # the hot path: every native forward asks
-            return _libs["default"]
-        try:
-            path = isa()
-        except ValueError as e:
-            path = "?"
-            _reasons.setdefault(path, str(e))
-        if path is None:
-            path = "avx2"  # _load says why nothing runs
-        lib = _get(path)
-        if lib is not None:
-            _libs["default"] = lib
-        return lib
-    if path in _libs:
-        return _libs[path]
-    with _lock:
-        if path not in _libs:
-            try:
-                _libs[path] = _load(path) if path != "?" else None
-            except Exception as e:  # noqa: BLE001 -- any failure means: no native kernel here
-                _reasons[path] = str(e)
-                _libs[path] = None
-                log.warning("specfleet native GGUF kernels (%s) unavailable: %s", path, e)
-    return _libs[path]
-
-
-def available() -> bool:
-    return _get() is not None
-
-
-def unavailable_reason() -> str | None:
-    if _get() is not None:
-        return None
-    return next(iter(_reasons.values()), None)
 
 
 def _as_type(qtype) -> T:
@@ -209,7 +94,7 @@ class QTensor:
             raise ValueError(f"{qtype.name} is not a supported block format; supported: "
                              f"{sorted(t.name for t in SUPPORTED_TYPES)}")
         n, k = (int(v) for v in shape)
-        block, size = GGML_QUANT_SIZES[qtype]
+        block, size = FORMATS[qtype].block, FORMATS[qtype].type_size
         if k % block:
             raise ValueError(f"{qtype.name} needs K to be a multiple of {block}, got shape {(n, k)}")
         row_bytes = k // block * size
@@ -298,7 +183,7 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
                          f"on {x.device}")
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
         raise ValueError(f"qlinear: bias of shape {tuple(bias.shape)} does not match {w!r}")
-    lib = _get()
+    lib = library()
     if lib is None:
         xq = quantize_activations(x, w.qtype)
         y = torch.cat([xq @ _dequantize(w.data[n0:n0 + FALLBACK_ROWS], w.qtype, w.shape[1]).t()
@@ -363,23 +248,18 @@ def run_fused(lib: ctypes.CDLL, parts, nparts: int, k: int, x: torch.Tensor, y: 
 
 
 def quantize(weight: torch.Tensor, qtype) -> QTensor:
-    """A dense [N, K] weight in block format `qtype` (Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K)."""
+    """A dense [N, K] weight in block format `qtype` (one of FORMATS with a quantizer)."""
     qtype = _as_type(qtype)
+    fmt = FORMATS.get(qtype)
+    if fmt is None or fmt.quantize is None:
+        raise ValueError(f"cannot quantize to {qtype.name}; choose one of "
+                         f"{[t.name for t, f in FORMATS.items() if f.quantize is not None]}")
     if weight.dim() != 2:
         raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    arr = weight.detach().float().cpu().numpy()
-    if qtype == T.Q4_K:
-        data = _quantize_q4_k(arr)
-    elif qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):
-        from gguf.quants import quantize as gguf_quantize
-
-        block = GGML_QUANT_SIZES[qtype][0]
-        if k % block:
-            raise ValueError(f"{qtype.name} needs K to be a multiple of {block}, got shape {(n, k)}")
-        data = gguf_quantize(arr, qtype)
-    else:
-        raise ValueError(f"cannot quantize to {qtype.name}; choose Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K")
+    if k % fmt.block:
+        raise ValueError(f"{qtype.name} needs K to be a multiple of {fmt.block}, got shape {(n, k)}")
+    data = fmt.quantize(weight.detach().float().cpu().numpy())
     return QTensor(np.ascontiguousarray(data).reshape(n, -1), qtype, (n, k))
 
 
@@ -420,12 +300,12 @@ def pack_k(data: np.ndarray, qtype, native: bool = True) -> np.ndarray:
     The C library does it where it is built (numpy's version, `native=False`, moves ~70 MB/s: a
     quarter of a minute for the 1.5B)."""
     qtype = _as_type(qtype)
-    lib = _get() if native else None
+    lib = library() if native else None
     if lib is None:
         return kquant_order.pack(data, qtype)
     src = np.ascontiguousarray(data, dtype=np.uint8)
     out = np.empty_like(src)
-    nblocks = src.size // GGML_QUANT_SIZES[qtype][1]
+    nblocks = src.size // FORMATS[qtype].type_size
     if lib.specfleet_k_pack(int(qtype), src.ctypes.data, out.ctypes.data, nblocks, torch.get_num_threads()) != 0:
         raise ValueError(f"the native kernel cannot pack {qtype.name}")
     return out

@@ -55,11 +55,11 @@ def resolve_quantization(mode: str | None, is_gguf: bool, device: torch.device) 
         raise InvalidRequestError(f"quantization {mode!r} runs on the CPU only; on {device.type} use 'none' "
                                   "(dense weights in --dtype) or 'int8'")
     try:
-        from specfleet.runtime import qtensor
+        from specfleet.runtime import native_backend
 
-        reason = None if qtensor.available() else qtensor.unavailable_reason()
-    except ImportError as e:  # a build of specfleet without runtime/qtensor.py
-        reason = f"specfleet.runtime.qtensor cannot be imported: {e}"
+        reason = None if native_backend.available() else native_backend.unavailable_reason()
+    except ImportError as e:  # gguf-py missing from the environment
+        reason = f"the native backend cannot be imported: {e}"
     if reason is not None:
         logging.getLogger(__name__).warning(
             "quantization %r: the native GGUF kernels are unavailable (%s); loading dense weights instead",

@@ -120,4 +120,3 @@ void specfleet_bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t 
     }
 }
 
-int specfleet_native_abi(void) { return 1; }

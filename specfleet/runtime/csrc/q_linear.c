@@ -57,7 +57,7 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     return 0;
 }
 
-int specfleet_q_abi(void) { return 5; }
+int specfleet_q_abi(void) { return 6; } /* runtime/native_backend.py ABI */
 
 /* the ISA path this library was built for (q_common.h) */
 const char *specfleet_q_isa(void) { return SF_ISA_NAME; }
