@@ -4,7 +4,7 @@ llama.cpp (llama-cpp-python) on the same file as the reference.
 Systems, measured in rounds that alternate between them (the machine may be shared, so only figures
 from the same rounds compare; medians over rounds are printed with ratios):
 - `fused`: this tree's native layer path (runtime/native_forward.py, csrc/q_fused.c);
-- `modules`: this tree with `model.FUSED_NATIVE = False` (the module-by-module forward);
+- `modules`: this tree with `RuntimeConfig(fused_native=False)` (the module-by-module forward);
 - `base`: another source tree (`--base-src DIR`, e.g. an earlier commit unpacked with
   `git archive <commit> | tar -x -C DIR`), run in a subprocess with DIR first on PYTHONPATH;
 - `llama.cpp`: `Llama.eval` of one token at a time.
@@ -19,6 +19,7 @@ engine's own path: batch building, forward, final norm, head logits), plus the a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -39,9 +40,9 @@ def specfleet_steps(model_name: str, context: int, steps: int, fused: bool | Non
     from specfleet.runtime.attention import AttentionBatch, SeqAttention
     from specfleet.runtime.kv_cache import KVCache
 
-    if fused is not None:
-        model_mod.FUSED_NATIVE = fused
     model = _cached_model(model_name, load_model)
+    if fused is not None:
+        model.set_runtime(dataclasses.replace(model.runtime, fused_native=fused))
     if prefill:
         kv = KVCache.allocate(model.config, prefill // 16 + 2, 16, torch.float32, torch.device("cpu"))
         ids = torch.tensor([(7919 * i) % 30000 + 100 for i in range(prefill)])

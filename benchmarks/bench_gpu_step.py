@@ -103,8 +103,9 @@ def child(shape: str, device: str, repeats: int) -> dict:
         run()  # warm-up (Triton compiles each new shape once)
         return statistics.median(run() for _ in range(n))
 
-    out = {"cuda_kernels": "batch-invariant Triton kernels" if cuda_kernels.available(dev)
-           else (cuda_kernels.unavailable_reason() or "not CUDA"),
+    on = model.runtime.cuda_kernels and cuda_kernels.available(dev)
+    out = {"cuda_kernels": "batch-invariant Triton kernels" if on else
+           ("off (RuntimeConfig.cuda_kernels)" if not model.runtime.cuda_kernels else cuda_kernels.unavailable_reason()),
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "-"}
     one = med(lambda: forward(1, 1))
     out["decode_ms_b1"] = one * 1e3

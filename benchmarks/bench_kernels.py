@@ -5,7 +5,7 @@ rows. This measures, for the Qwen2.5-1.5B layer shapes, the time of one forward 
 linear layers of a decoder layer with 1..32 rows, in bf16, fp32 and the weight-only int8 kernel that
 `quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row of the same kind and to
 one row of torch's kernel for that dtype. bf16 runs three ways: torch's `F.linear` ("torch"), the
-project's CPU routes ("specfleet", runtime/cpu_linear.py: the native kernel up to `NATIVE_ROWS` rows, then
+project's CPU routes ("specfleet", runtime/cpu_linear.py: the native kernel up to `RuntimeConfig.native_rows` rows, then
 the sliced fp32 upcast) and the routes without the native kernel ("sliced"); fp32 runs through torch and
 the project's W @ x^T route.
 
@@ -14,6 +14,7 @@ the project's W @ x^T route.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -32,6 +33,8 @@ def layer_fns(kind: str, dtype: torch.dtype):
     for out_f, in_f in SHAPES.values():
         cls = model_mod.Linear if kind.endswith(("specfleet", "sliced")) else torch.nn.Linear
         lin = cls(in_f, out_f, bias=False).to(dtype)
+        if kind == "bf16 sliced":  # specfleet's routes without the native kernel
+            lin.runtime = dataclasses.replace(model_mod.DEFAULT_RUNTIME, native_rows=0)
         if kind.startswith("int8"):
             fns.append((Int8Linear.from_linear(lin), in_f, dtype))
         else:
@@ -66,19 +69,14 @@ def main() -> None:
     kinds = (("bf16 torch", torch.bfloat16), ("bf16 specfleet", torch.bfloat16), ("bf16 sliced", torch.bfloat16),
              ("fp32 torch", torch.float32),
              ("fp32 specfleet", torch.float32), ("int8", torch.bfloat16), ("int8-fp32act", torch.float32))
-    payload["upcast_rows"], payload["weight_left"] = model_mod.UPCAST_ROWS, model_mod.WEIGHT_LEFT
-    payload["native_rows"], payload["native_available"] = model_mod.NATIVE_ROWS, native.bf16_linear_available()
+    rt = model_mod.DEFAULT_RUNTIME
+    payload["upcast_rows"], payload["weight_left"] = rt.upcast_rows, rt.weight_left
+    payload["native_rows"], payload["native_available"] = rt.native_rows, native.bf16_linear_available()
     payload["native_unavailable_reason"] = native.unavailable_reason()
     torch_one_row = {}
     for kind, dtype in kinds:
         fns = layer_fns(kind, dtype)
-        native_rows = model_mod.NATIVE_ROWS
-        if kind == "bf16 sliced":
-            model_mod.NATIVE_ROWS = 0
-        try:
-            times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
-        finally:
-            model_mod.NATIVE_ROWS = native_rows
+        times = {r: time_layer(fns, r, args.repeats) for r in args.rows}
         payload["results"][kind] = {str(r): t for r, t in times.items()}
         family = kind.split()[0]
         torch_one_row.setdefault(family, times[args.rows[0]])
@@ -91,9 +89,9 @@ def main() -> None:
     body = ("One decoder layer's four linear layers (qkv, o, gate_up, down) at the Qwen2.5-1.5B shapes; "
             "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
             f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/cpu_linear.py (fp32: W @ x^T from "
-            f"2 rows; bf16: the native kernel up to {model_mod.NATIVE_ROWS} rows"
+            f"2 rows; bf16: the native kernel up to {rt.native_rows} rows"
             f"{'' if native.bf16_linear_available() else ' (UNAVAILABLE here: ' + str(native.unavailable_reason()) + ')'}"
-            f", then the sliced fp32 upcast from {model_mod.UPCAST_ROWS} rows); sliced = specfleet without the native "
+            f", then the sliced fp32 upcast from {rt.upcast_rows} rows); sliced = specfleet without the native "
             "kernel. vs_torch_one_row: against the first kind of the same dtype's one row (bf16, fp32: torch; "
             "int8 and int8-fp32act: their own).\n\n"
             + md_table(rows_out, ["weights", "rows", "ms_per_layer", "vs_one_row", "vs_torch_one_row", "ms_per_row",

@@ -6,6 +6,7 @@ batches (runtime/cpu_linear.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     model, _ = load_model(args.model, torch.bfloat16, torch.device("cpu"), with_tokenizer=False)
-    default = model_mod.UPCAST_ROWS
+    default = model_mod.DEFAULT_RUNTIME.upcast_rows
     rows, payload = [], {"args": vars(args), "default_upcast_rows": default, "results": []}
     g = torch.Generator().manual_seed(0)
     warm = Engine(model, None, EngineConfig(CacheConfig(16, 64 << 20), SchedulerConfig()))
@@ -37,7 +38,7 @@ def main() -> None:
         prompt = torch.randint(100, 20000, (n,), generator=g).tolist()
         times = {}
         for label, threshold in (("bf16 matmuls", 0), (f"fp32 upcast from {default or 16} rows", default or 16)):
-            model_mod.UPCAST_ROWS = threshold
+            model.set_runtime(dataclasses.replace(model_mod.DEFAULT_RUNTIME, upcast_rows=threshold))
             best = float("inf")
             for _ in range(args.repeats):
                 eng = Engine(model, None, EngineConfig(CacheConfig(16, 256 << 20),
@@ -52,7 +53,6 @@ def main() -> None:
             print(f"{n:5d} tokens  {label:28} {best:7.2f} s  ({n / best:7.1f} tok/s)", flush=True)
         rows[-1]["speedup"] = times["bf16 matmuls"] / best
         payload["results"].append({"prompt_tokens": n, **times})
-    model_mod.UPCAST_ROWS = default
     body = (f"`{args.model}` in bf16 on the CPU: one prompt's prefill (first token), best of {args.repeats}; "
             "same weights, the linear layers in bf16 or converted to fp32 per call.\n\n"
             + md_table(rows, ["prompt_tokens", "path", "prefill_s", "tok_s", "speedup"]))

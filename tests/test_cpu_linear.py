@@ -1,9 +1,10 @@
 """The CPU linear routes (runtime/cpu_linear.py): same products as F.linear, only reordered sums."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-import specfleet.runtime.model as model_mod
 from specfleet.runtime.cpu_linear import cpu_linear, sliced_upcast_linear, weight_left_linear
 
 
@@ -51,7 +52,7 @@ def test_routing_by_dtype_and_rows():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_model_linear_takes_the_routes(monkeypatch):
+def test_model_linear_takes_the_routes():
     """Turning the routes off changes nothing but rounding."""
     from specfleet.runtime.model import Linear
 
@@ -60,11 +61,11 @@ def test_model_linear_takes_the_routes(monkeypatch):
     x = torch.randn(6, 32)
     with torch.no_grad():
         on = lin(x)
-        monkeypatch.setattr(model_mod, "WEIGHT_LEFT", False)
+        lin.runtime = dataclasses.replace(lin.runtime, weight_left=False)
         off = lin(x)
     torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
     assert torch.equal(off, F.linear(x, lin.weight, lin.bias))
     # training (gradients recorded) takes F.linear and gets its gradients
-    monkeypatch.setattr(model_mod, "WEIGHT_LEFT", True)
+    lin.runtime = dataclasses.replace(lin.runtime, weight_left=True)
     lin(x).sum().backward()
     assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, x.sum(0).expand(16, 32))

@@ -4,6 +4,8 @@ number of rows in the call; the whole model against its module-by-module forward
 still lossless through it (verification rows attend in C exactly as their decode steps do)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,7 +197,7 @@ def native_draft():
         for p in noisy.parameters():
             p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
     return quantized_model(noisy)
-def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(native_tiny, monkeypatch):
+def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(native_tiny):
     from test_spec_greedy import make_engine
 
     from specfleet.runtime.model_runner import ForwardItem
@@ -205,7 +207,7 @@ def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(na
     assert native_lib(native_tiny, torch.tensor(ids), engine.runner.kv) is not None
 
     def logits(fused: bool):
-        monkeypatch.setattr(model_mod, "FUSED_NATIVE", fused)
+        native_tiny.set_runtime(dataclasses.replace(native_tiny.runtime, fused_native=fused))
         engine.blocks.allocate("p", len(ids))
         try:
             prefix = engine.runner.execute([ForwardItem("p", ids[:6], 0, [5])], engine.blocks)
@@ -214,7 +216,10 @@ def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(na
             engine.blocks.free("p")
         return torch.cat([prefix, rows])
 
-    fused, modules = logits(True), logits(False)
+    try:
+        fused, modules = logits(True), logits(False)
+    finally:
+        native_tiny.set_runtime(dataclasses.replace(native_tiny.runtime, fused_native=True))
     scale = modules.abs().max().item()
     assert (fused - modules).abs().max().item() < 2e-2 * scale
     assert torch.equal(fused.argmax(-1), modules.argmax(-1))

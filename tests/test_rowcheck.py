@@ -3,13 +3,14 @@ equals, bit for bit, the plain decode step of its token on the same context, for
 GGUF and 24 real prompts from the bench datasets' shipped files, with chains and trees (gathered keys,
 17+ rows), batches, prompts chunked by a small token budget, and preemption with recompute. The control:
 the module-by-module path, whose prompt chunks attend in a split flash kernel, is caught."""
+import dataclasses
+
 import pytest
 import torch
 
 from specfleet.bench.rowcheck import RowChecker, RowReport, check_engine_run
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.runtime import model as model_mod
 from specfleet.runtime.native_forward import native_lib
 from specfleet.runtime import native_backend, qtensor
 from specfleet.sampling_params import SamplingParams
@@ -106,14 +107,15 @@ def test_every_verified_row_equals_its_decode_step(smollm2, prompts, plain, draf
         assert sum(v for k, v in routes.items() if "rows=17+" in k and "/node/" in k) > 0
 
 
-def test_the_checker_catches_a_row_that_takes_another_path(smollm2, prompts, monkeypatch):
+def test_the_checker_catches_a_row_that_takes_another_path(smollm2, prompts, request):
     """Control: the module-by-module forward (kept for dense models) attends to a prompt chunk with the
     split flash kernel, not as each row's decode step does; the checker must report those rows. It takes
     every prompt: an attention output off by an ulp shows in the logits only where it moves a value across
     an int8 rounding step of the next product's activations, which 3 prompts (7 rows) no longer did once
     the kernels' fp32 epilogue changed (measured with the 24 prompts cut to 200 tokens: 15 of 70 rows differ)."""
     model, tok = smollm2
-    monkeypatch.setattr(model_mod, "FUSED_NATIVE", False)
+    model.set_runtime(dataclasses.replace(model.runtime, fused_native=False))
+    request.addfinalizer(lambda: model.set_runtime(dataclasses.replace(model.runtime, fused_native=True)))
     engine = _engine(model, tok, "fleet(suffix,prompt-lookup)", 3)
     checker = RowChecker.attach(engine)
     try:

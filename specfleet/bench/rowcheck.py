@@ -152,9 +152,7 @@ class RowChecker:
 
     def _path_label(self) -> str:
         """'native' when the model runs its decoder layers in C over the step's key plan, else 'module'."""
-        from specfleet.runtime import model as model_mod
-
-        if not model_mod.FUSED_NATIVE or native_lib(self.model, torch.zeros(1, dtype=torch.long), self.runner.kv) is None:
+        if not self.model.runtime.fused_native or native_lib(self.model, torch.zeros(1, dtype=torch.long), self.runner.kv) is None:
             return "module"
         return "native"
 

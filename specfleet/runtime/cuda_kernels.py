@@ -20,12 +20,10 @@ on first use (Triton ships with CUDA builds of torch); `available()` says whethe
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-_ENABLED = os.environ.get("SPECFLEET_CUDA_KERNELS", "1") != "0"  # "0": cuBLAS/torch (benchmark comparisons)
 _triton = None
 _why_not: str | None = None
 BM, BN, BK = 32, 64, 64  # the one tiling of `linear`: every row count uses it
@@ -45,14 +43,14 @@ def _load():
 
 
 def available(device: torch.device) -> bool:
-    """Whether tensors on `device` go through these kernels (CUDA, Triton importable, not switched off with
-    SPECFLEET_CUDA_KERNELS=0)."""
-    return _ENABLED and device.type == "cuda" and _load() is not None
+    """Whether tensors on `device` can go through these kernels (CUDA, Triton importable); a model's
+    RuntimeConfig.cuda_kernels says whether they do."""
+    return device.type == "cuda" and _load() is not None
 
 
 def unavailable_reason() -> str | None:
     _load()
-    return _why_not if _ENABLED else "switched off (SPECFLEET_CUDA_KERNELS=0)"
+    return _why_not
 
 
 def _build():

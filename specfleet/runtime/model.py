@@ -21,29 +21,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfleet.runtime import cuda_kernels
-from specfleet.runtime.cpu_linear import cpu_linear, default_native_rows, default_upcast_rows, default_weight_left
+from specfleet.runtime.cpu_linear import cpu_linear
 from specfleet.runtime.attention import AttentionBatch, paged_attention
 from specfleet.runtime.kv_cache import KVCache
 from specfleet.runtime.model_config import ModelConfig
 from specfleet.runtime.native_forward import forward_native, native_lib
+from specfleet.runtime.runtime_config import RuntimeConfig
 
-
-UPCAST_ROWS = default_upcast_rows()  # read per call, so tests and benchmarks may change them
-WEIGHT_LEFT = default_weight_left()
-NATIVE_ROWS = default_native_rows()
-# Native GGUF models (every linear layer a block-format QLinear, fp32 activations, CPU) run each
-# decoder layer as a few calls into csrc/q_fused.c (runtime/native_forward.py); False keeps the
-# module-by-module forward (benchmarks compare the two). Read per call.
-FUSED_NATIVE = True
+DEFAULT_RUNTIME = RuntimeConfig()  # what a module computes with until its model's set_runtime hands it another
 
 
 class Linear(nn.Linear):
     """nn.Linear whose CPU products take the faster routes of runtime/cpu_linear.py; same weights."""
 
+    runtime = DEFAULT_RUNTIME
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
         if x.device.type == "cpu":
-            return cpu_linear(x, self.weight, self.bias, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS)
-        if cuda_kernels.available(x.device):  # batch-invariant: a verified row is summed as its decode step
+            return cpu_linear(x, self.weight, self.bias, rt.upcast_rows, rt.weight_left, rt.native_rows)
+        if rt.cuda_kernels and cuda_kernels.available(x.device):  # batch-invariant: a verified row is summed as its decode step
             return cuda_kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -53,6 +50,8 @@ class RMSNorm(nn.Module):
     `unit_offset`, Gemma's ((1 + weight) * normalized x, the product in fp32; the weight is stored as
     Hugging Face stores it, without the 1)."""
 
+    runtime = DEFAULT_RUNTIME
+
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
@@ -60,7 +59,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and cuda_kernels.available(x.device):  # one program per row, whatever the row count
+        if x.is_cuda and self.runtime.cuda_kernels and cuda_kernels.available(x.device):  # one program per row
             return cuda_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         x32 = x.float()
@@ -183,11 +182,20 @@ class DecoderLM(nn.Module):
         self.rotary, self.rotary_local = make_rotaries(cfg)  # rotary_local: the sliding layers' (Gemma-3)
         self.head_q = None  # an int8 head after runtime.quant.quantize_model
         self.quantization: str | None = None
+        self.runtime = DEFAULT_RUNTIME
+
+    def set_runtime(self, runtime: RuntimeConfig) -> "DecoderLM":
+        """Compute with `runtime` from now on: this model and every module of it that reads one (the
+        linear layers and norms, including any the loader or a quantizer put in since)."""
+        for m in self.modules():
+            if isinstance(m, (Linear, RMSNorm)) or m is self:
+                m.runtime = runtime
+        return self
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: KVCache) -> torch.Tensor:  # -> hidden [num_tokens, hidden]
-        lib = native_lib(self, input_ids, kv) if FUSED_NATIVE else None
+        lib = native_lib(self, input_ids, kv) if self.runtime.fused_native else None
         if lib is not None:
             return forward_native(self, lib, input_ids, positions, batch, kv)
         h = self.embed_tokens(input_ids)
@@ -221,8 +229,9 @@ class DecoderLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if vocab_limit is not None:
             weight = weight[:vocab_limit]
+        rt = self.runtime
         if hidden.device.type == "cpu":
-            return cpu_linear(hidden, weight, None, UPCAST_ROWS, WEIGHT_LEFT, NATIVE_ROWS).float()
-        if cuda_kernels.available(hidden.device):
+            return cpu_linear(hidden, weight, None, rt.upcast_rows, rt.weight_left, rt.native_rows).float()
+        if rt.cuda_kernels and cuda_kernels.available(hidden.device):
             return cuda_kernels.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()

@@ -71,9 +71,14 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         # CUDA: a step's host data (token ids, positions, slots, logit rows, key plan) goes to the device in
         # one non-blocking copy from this pinned buffer; the event says when the last copy has left it
-        self._cuda = cuda_kernels.available(device)
+        self._cuda_kernels = cuda_kernels.available(device)
         self._staging: torch.Tensor | None = None
         self._staged: torch.cuda.Event | None = None
+
+    @property
+    def _cuda(self) -> bool:
+        """Whether this step goes through the CUDA kernels (and so the pinned copy and the key plan)."""
+        return self._cuda_kernels and getattr(self.model, "runtime", None) is not None and self.model.runtime.cuda_kernels
 
     def _request_kv(self, block_ids: list[int], length: int) -> tuple[slice | torch.Tensor, np.ndarray | None]:
         """The cache rows of a request's first `length` tokens: a slice (a view, nothing copied) when
