@@ -48,7 +48,7 @@ def main() -> None:
     base = LLM(args.target, draft=None, dtype=args.dtype)
     systems = {"plain": base}
     for d in args.drafts.split(";"):
-        systems[d] = LLM(args.target, draft=d, dtype=args.dtype, _model=base.model, _tokenizer=base.tokenizer)
+        systems[d] = LLM.from_model(base.model, base.tokenizer, d, name=args.target, dtype=args.dtype)
         print(f"{d}: {type(systems[d].engine.proposer).__name__}")
     timers = {name: {"propose": 0.0, "model": 0.0} for name in systems}
     for name, llm in systems.items():

@@ -35,7 +35,7 @@ def main() -> None:
     base = LLM(TARGET, draft=None, dtype="float32")
     systems = {"plain": base}
     for d in DRAFTS:
-        systems[d] = LLM(TARGET, draft=d, dtype="float32", _model=base.model, _tokenizer=base.tokenizer)
+        systems[d] = LLM.from_model(base.model, base.tokenizer, d, name=TARGET, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for llm in systems.values():  # warm-up, not counted
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

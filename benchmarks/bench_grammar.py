@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         draft = default_draft(args.model, torch.device(args.device)) or "fleet(suffix,prompt-lookup)"
     base = LLM(args.model, draft=None, dtype=args.dtype, device=args.device)
     systems = {"plain": base,
-               "spec": LLM(args.model, draft=draft, dtype=args.dtype, device=args.device, grammar_draft=False,
-                           _model=base.model, _tokenizer=base.tokenizer),
-               "spec+grammar": LLM(args.model, draft=draft, dtype=args.dtype, device=args.device,
-                                   _model=base.model, _tokenizer=base.tokenizer)}
+               "spec": LLM.from_model(base.model, base.tokenizer, draft, name=args.model, dtype=args.dtype,
+                                      device=args.device, grammar_draft=False),
+               "spec+grammar": LLM.from_model(base.model, base.tokenizer, draft, name=args.model, dtype=args.dtype,
+                                              device=args.device)}
     jsonschema = validator()
     reqs = requests(args.requests)
     results, summary = {}, {}

@@ -40,9 +40,9 @@ def main() -> None:
     else:
         ids = [tok.encode(p.text, add_special_tokens=True) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(draft=None, _model=model, _tokenizer=tok).generate(ids, params)]
+    plain = [o.token_ids for o in LLM.from_model(model, tok, draft=None).generate(ids, params)]
     for spec in args.draft:
-        llm = LLM(draft=spec, _model=model, _tokenizer=tok, max_num_seqs=1)
+        llm = LLM.from_model(model, tok, draft=spec, max_num_seqs=1)
         outs = []
         for p in ids:  # batch 1, as the fleet preset measures
             outs += llm.generate([p], params)

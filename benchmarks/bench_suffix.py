@@ -44,7 +44,7 @@ def main() -> None:
     base = LLM("smollm2-135m-instruct", draft=None, dtype="float32")
     systems = {"plain": base}
     for d in args.drafts.split(","):
-        systems[d] = LLM("smollm2-135m-instruct", draft=d, dtype="float32", _model=base.model, _tokenizer=base.tokenizer)
+        systems[d] = LLM.from_model(base.model, base.tokenizer, d, name="smollm2-135m-instruct", dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     base.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     stats = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in systems}

@@ -3,6 +3,11 @@
     llm = LLM(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
     outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
     outs = llm.chat([{"role": "user", "content": "Write a haiku"}])
+
+A model already loaded (or built) is wrapped without loading it again, e.g. one target under several drafts:
+
+    base = LLM("smollm2-135m-instruct", draft=None, dtype="float32")
+    spec = LLM.from_model(base.model, base.tokenizer, draft="suffix", name="smollm2-135m-instruct", dtype="float32")
 """
 from __future__ import annotations
 
@@ -52,9 +57,12 @@ class LLM:
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
                  mixed_step_factor: float | None = 2.0, quantization: str | None = "auto",
-                 enable_prefix_caching: bool = True, grammar_draft: bool = True, _model: DecoderLM | None = None,
-                 _tokenizer=None):
-        """`quantization` applies to the target and every draft model (a draft may override it with
+                 enable_prefix_caching: bool = True, grammar_draft: bool = True,
+                 _loaded: tuple[DecoderLM, object] | None = None):
+        """Load `model` (a registered name or a path) and serve it with `draft` (the default: `default_draft`;
+        None: no speculation). `LLM.from_model` wraps a model already loaded instead (`_loaded` is its way in).
+
+        `quantization` applies to the target and every draft model (a draft may override it with
         `[quant=...]`, see strategies/grammar.py); speculation is lossless against the target as loaded:
         - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
         - "gguf": keep the GGUF file's block formats (Q4_K, Q6_K, ...), native kernels, fp32 activations
@@ -77,13 +85,14 @@ class LLM:
         self.quantization = parse_quantization(quantization)
         if draft is _USE_DEFAULT:
             draft = default_draft(model, self.device)
-        if _model is not None:  # tests and benchmarks hand in a model they built
-            self.model, self.tokenizer = _model, _tokenizer
-            have = getattr(_model, "quantization", None)
+        if _loaded is not None:  # LLM.from_model: a model the caller loaded or built
+            given, self.tokenizer = _loaded
+            self.model = given
+            have = getattr(given, "quantization", None)
             if self.quantization == "int8" and have != "int8":
                 import copy
 
-                self.model = quantize_model(copy.deepcopy(_model), self.quantization)  # the caller's stays as is
+                self.model = quantize_model(copy.deepcopy(given), self.quantization)  # the caller's stays as is
             elif self.quantization not in ("auto", "int8", have) and not (
                     have is None and resolve_quantization(self.quantization, True, self.device) is None):
                 # (a dense model handed in for a block format is what loading falls back to without the kernels)
@@ -106,6 +115,21 @@ class LLM:
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                               max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)
+
+    @classmethod
+    def from_model(cls, model: DecoderLM, tokenizer=None, draft: str | None = _USE_DEFAULT, *, name: str = "custom",
+                   **kwargs) -> "LLM":
+        """An LLM around `model`, a `DecoderLM` already loaded (`load_model`, another LLM's `.model`) or built,
+        which is used as it is, not copied or loaded again; several LLMs may share one, e.g. a target under
+        different drafts. `tokenizer` (optional: without one, prompts must be token ids) is the model's.
+
+        `name` labels the model (`model_name`) and picks the default draft as `LLM(name)` would: the
+        per-device default for the default model, none for any other. `kwargs` are `LLM()`'s: pass the
+        `dtype` and `device` the model was built with (draft models are loaded with them). `quantization`
+        cannot change a model already loaded, except "int8", which quantizes a copy (the caller's model stays
+        dense); "auto" (the default) or the format the model has ("none" for a dense one) keeps it as it is;
+        any other is an error."""
+        return cls(name, draft, _loaded=(model, tokenizer), **kwargs)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -656,7 +656,7 @@ def test_real_gemma_drafts_for_qwen_losslessly():
     if target is None:
         optional_model_path("qwen-0.5b")  # skips
     base = LLM(target, draft=None, dtype="float32")
-    llm = LLM(target, draft="gemma-3-270m", dtype="float32", _model=base.model, _tokenizer=base.tokenizer)
+    llm = LLM.from_model(base.model, base.tokenizer, "gemma-3-270m", name=target, dtype="float32")
     proposer = llm.engine.proposer
     assert isinstance(proposer, CrossVocabProposer) and proposer.start_ids == [2]
     prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

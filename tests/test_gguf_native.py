@@ -148,8 +148,8 @@ def test_draft_quant_option_and_llm_quantization_modes(tiny_gguf):
     prompts = repetitive_prompts([9, 15])
     plain = LLM(str(path), None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     assert plain.model.quantization == "gguf"  # the default on the CPU for a GGUF file
-    spec = LLM(str(path), f"{path}[quant=q4_0]", dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
-               _model=plain.model, _tokenizer=plain.tokenizer)
+    spec = LLM.from_model(plain.model, plain.tokenizer, f"{path}[quant=q4_0]", name=str(path), dtype="float32",
+                          kv_cache_bytes=1 << 20, block_size=4)
     draft = next(leaf for leaf in leaves(spec.engine.proposer) if hasattr(leaf, "model")).model  # past the grammar draft
     assert draft.quantization == "q4_0" and draft.layers[0].mlp.gate_up_proj.formats == ["Q4_0"]
     want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
@@ -157,7 +157,7 @@ def test_draft_quant_option_and_llm_quantization_modes(tiny_gguf):
     with pytest.raises(InvalidRequestError, match="unknown quantization"):
         build_proposer(f"{path}[quant=q3]", SpecConfig(), 300, torch.float32, torch.device("cpu"))
     with pytest.raises(InvalidRequestError, match="applied when a model is loaded"):
-        LLM(str(path), None, quantization="q8_0", _model=plain.model, _tokenizer=plain.tokenizer)
+        LLM.from_model(plain.model, plain.tokenizer, None, name=str(path), quantization="q8_0")
 
 
 def test_fallback_to_dense_weights_when_the_kernels_are_off(tiny_gguf, monkeypatch, caplog):

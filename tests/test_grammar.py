@@ -71,8 +71,8 @@ def smollm2():
 def test_greedy_constrained_speculation_equals_plain(smollm2, draft):
     from specfleet.llm import LLM
 
-    spec = LLM("smollm2-135m-instruct", draft=draft, max_num_batched_tokens=1024, _model=smollm2.model,
-               _tokenizer=smollm2.tokenizer)
+    spec = LLM.from_model(smollm2.model, smollm2.tokenizer, draft, name="smollm2-135m-instruct",
+                          max_num_batched_tokens=1024)
     assert isinstance(spec.engine.proposer, GrammarFront) and spec.engine.proposer.name == draft
     convs = [[{"role": "user", "content": p}] for p, _, _ in CASES]
     params = [SamplingParams(temperature=0, max_tokens=72, structured_outputs=c) for _, c, _ in CASES]
@@ -215,7 +215,7 @@ def test_forced_tool_call_on_qwen_writes_its_special_tags():
 
     optional_model_path("qwen-0.5b")
     base = LLM("qwen-0.5b", draft=None)
-    spec = LLM("qwen-0.5b", draft="fleet(suffix,prompt-lookup)", _model=base.model, _tokenizer=base.tokenizer)
+    spec = LLM.from_model(base.model, base.tokenizer, "fleet(suffix,prompt-lookup)", name="qwen-0.5b")
     compiler = base.engine.grammar_compiler()
     tag = base.tokenizer.convert_tokens_to_ids("<tool_call>")
     assert compiler.literal("<tool_call>") == f"<[{tag}]>" and compiler.literal("get_weather") == '"get_weather"'

@@ -31,8 +31,8 @@ class LetterTokenizer:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", "prompt-lookup", dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
-               _model=ours_from_hf(tiny_hf_model("llama")), _tokenizer=LetterTokenizer())
+    return LLM.from_model(ours_from_hf(tiny_hf_model("llama")), LetterTokenizer(), "prompt-lookup", name="tiny",
+                          dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
 
 
 @pytest.mark.parametrize("bad", [
@@ -92,3 +92,19 @@ def test_stream_to_the_end_equals_generate(llm):
     chunks = list(llm.stream(prompt, GREEDY))
     want = llm.generate([prompt], GREEDY)[0]
     assert chunks[-1][1].finished and chunks[-1][1].token_ids == want.token_ids
+
+
+def test_from_model_wraps_the_model_as_it_is_and_names_it():
+    from specfleet.llm import DEFAULT_MODEL, default_draft
+
+    model = ours_from_hf(tiny_hf_model("llama"))
+    plain = LLM.from_model(model, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    assert plain.model is model and plain.tokenizer is None
+    assert plain.model_name == "custom" and plain.draft_name is None  # no default draft for a model of its own
+    named = LLM.from_model(model, name=DEFAULT_MODEL, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    assert named.model is model and named.draft_name == default_draft(DEFAULT_MODEL, named.device)  # as LLM(name)
+    prompts = random_prompts([5, 7])
+    assert ([o.token_ids for o in named.generate(prompts, GREEDY)]
+            == [o.token_ids for o in plain.generate(prompts, GREEDY)])
+    with pytest.raises(TypeError):
+        LLM.from_model(model, model="tiny")  # the model is the one handed in

@@ -59,8 +59,7 @@ def test_prompt_logprobs_score_the_prompt_tokens_and_match_decoding(smollm2_pair
 
 def tiny_llm(**kw) -> LLM:
     model = ours_from_hf(tiny_hf_model("llama"))
-    return LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None,
-               **kw)
+    return LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, **kw)
 
 
 def test_prompt_logprobs_survive_chunked_prefill():

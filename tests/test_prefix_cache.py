@@ -244,8 +244,8 @@ def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics():
     prompt = random_prompts([40], seed=6)[0]
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
     for caching, want in ((True, 36), (False, 0)):
-        llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, enable_prefix_caching=caching,
-                  _model=ours_from_hf(tiny_hf_model("llama")), _tokenizer=None)
+        llm = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), None, None, dtype="float32", kv_cache_bytes=1 << 20,
+                             block_size=4, enable_prefix_caching=caching)
         with TestClient(create_app(llm, ServerConfig("tiny"))) as client:
             first = client.post("/v1/completions", json={"prompt": prompt, **body}).json()
             second = client.post("/v1/completions", json={"prompt": prompt[:38], **body}).json()

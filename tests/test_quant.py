@@ -95,12 +95,12 @@ def test_llm_quantization_option(qtarget):
     base, q = qtarget
     prompts = repetitive_prompts([9, 15, 6])
     plain = run_to_completion(make_engine(q), prompts, GREEDY)
-    llm = LLM("tiny", "prompt-lookup", dtype="float32", quantization="int8", kv_cache_bytes=1 << 20, block_size=4,
-              _model=base)
+    llm = LLM.from_model(base, None, "prompt-lookup", dtype="float32", quantization="int8", kv_cache_bytes=1 << 20,
+                         block_size=4)
     assert llm.model is not base and base.quantization is None  # the caller's model is left as it was
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
     with pytest.raises(InvalidRequestError, match="unknown quantization"):
-        LLM("tiny", None, dtype="float32", quantization="int4", _model=base)
+        LLM.from_model(base, None, None, dtype="float32", quantization="int4")
 
 
 def test_bf16_cpu_upcast_path_computes_the_same_layer(monkeypatch):

@@ -17,7 +17,7 @@ PROMPT = random_prompts([6])[0]
 @pytest.fixture()
 def llm() -> LLM:
     model = ours_from_hf(tiny_hf_model("llama"))
-    return LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    return LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
 
 
 def events(response) -> list:

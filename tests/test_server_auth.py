@@ -18,7 +18,7 @@ BODY = {"prompt": random_prompts([6])[0], "max_tokens": 2, "temperature": 0}
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     model = ours_from_hf(tiny_hf_model("llama"))
-    return LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    return LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_key_opens_every_route_and_health_needs_none(client):
 
 def test_no_key_configured_means_open():
     model = ours_from_hf(tiny_hf_model("llama"))  # its own engine: the module's app is still running on `llm`
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    llm = LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     with TestClient(create_app(llm, ServerConfig("tiny"))) as c:
         assert c.post("/v1/completions", json=BODY).status_code == 200
         r = c.options("/v1/completions", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})

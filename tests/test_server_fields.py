@@ -24,7 +24,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 @pytest.fixture(scope="module")
 def client():
     model = ours_from_hf(tiny_hf_model("llama"))
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    llm = LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     with TestClient(create_app(llm, ServerConfig("tiny"))) as c:
         yield c
 

@@ -108,7 +108,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model, caplog):
 
 
 def test_failed_steps_in_a_row_are_fatal_and_health_says_why(model):
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    llm = LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     failing_forward(llm.engine, lambda ids: True)  # a broken device: every forward fails
     prompt = random_prompts([6])[0]
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
@@ -221,8 +221,8 @@ def test_a_client_that_stops_reading_gets_its_request_stopped_through_the_app(mo
     """The whole server path: an SSE client whose socket stops taking data (its `send` blocks) leaves
     the stream's buffer full; the server aborts the request and frees its KV while the client is still
     stuck, serves others meanwhile, and the stream ends with a stream_stalled error event."""
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model,
-              _tokenizer=LetterTokenizer())  # text, so every token is a chunk of the stream
+    llm = LLM.from_model(model, LetterTokenizer(), None, dtype="float32", kv_cache_bytes=1 << 20,
+                         block_size=4)  # a text tokenizer, so every token is a chunk of the stream
     slowed(llm.engine, 0.01)
     app = create_app(llm, ServerConfig("tiny", stream_buffer=2, stream_stall_timeout_s=0.3))
     engine = app.state.engine
@@ -310,7 +310,7 @@ def test_draft_failures_are_in_metrics_and_in_each_response(model):
     its response's `spec.draft_failures` says so, and /metrics counts the failures and the requests."""
     from test_draft_failures import Flaky
 
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    llm = LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     prompt = random_prompts([9], seed=2)[0]
     body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     with TestClient(create_app(llm, ServerConfig("tiny"))) as client:

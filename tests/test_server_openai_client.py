@@ -235,7 +235,7 @@ def test_shutdown_past_timeout_answers_every_request():
 
 def test_request_arriving_during_shutdown_gets_503():
     model = ours_from_hf(tiny_hf_model("llama"))
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, _model=model, _tokenizer=None)
+    llm = LLM.from_model(model, None, None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     app = create_app(llm, ServerConfig("tiny"))
     body = {"prompt": random_prompts([6])[0], "max_tokens": 2}
     with TestClient(app) as client:

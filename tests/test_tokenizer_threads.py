@@ -47,8 +47,8 @@ class BorrowChecked:
 
 
 def test_encode_on_one_thread_while_the_engine_decodes_on_another():
-    llm = LLM("tiny", None, dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
-              _model=ours_from_hf(tiny_hf_model("llama")), _tokenizer=BorrowChecked())
+    llm = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), BorrowChecked(), None, dtype="float32",
+                         kv_cache_bytes=1 << 20, block_size=4)
     errors, done = [], threading.Event()
 
     def tokenizer_thread():  # what the server's tokenizer thread does for each request

@@ -136,8 +136,8 @@ class SpecfleetSystem:
             kwargs["kv_cache_bytes"] = kv_cache_mb << 20
         kwargs.update({SPECFLEET_OPTIONS.get(k, k): v for k, v in spec.options.items()})
         try:
-            self.llm = LLM(model_name, spec.draft, dtype=dtype, device=device, _model=target, _tokenizer=tokenizer,
-                           **kwargs)
+            self.llm = LLM.from_model(target, tokenizer, spec.draft, name=model_name, dtype=dtype, device=device,
+                                      **kwargs)
         except TypeError as e:  # an option LLM does not take
             raise SpecfleetError(f"system {spec.label!r}: {e}") from e
         self.label = spec.label

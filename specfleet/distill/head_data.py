@@ -230,7 +230,7 @@ def humaneval_eval_set(model, tokenizer, out: Path, num_prompts: int = 20, max_n
         return out
     prompts = select(iter_prompts("humaneval")[0], num_prompts)
     ids = [tokenizer.encode(p.text, add_special_tokens=True) for p in prompts]
-    llm = LLM(draft=None, _model=model, _tokenizer=tokenizer)
+    llm = LLM.from_model(model, tokenizer, draft=None)
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_new_tokens))
     seqs = [i + list(o.token_ids) for i, o in zip(ids, outs)]
     out.mkdir(parents=True, exist_ok=True)

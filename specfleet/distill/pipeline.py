@@ -128,8 +128,8 @@ class Distillation:
         if any(pid not in done for pid, _ in prompts):
             from specfleet.llm import LLM
 
-            llm = LLM(a.teacher or a.target, None, dtype=self.dtype, device=str(self.device),
-                      _model=self.teacher_model(), _tokenizer=load_tokenizer(tokenizer_dir), max_num_seqs=a.gen_batch)
+            llm = LLM.from_model(self.teacher_model(), load_tokenizer(tokenizer_dir), None, name=a.teacher or a.target,
+                                 dtype=self.dtype, device=str(self.device), max_num_seqs=a.gen_batch)
         t0 = time.perf_counter()
         examples = generate_continuations(llm, prompts, a.max_new_tokens, path, a.gen_batch)
         self.timings["generation_s"] = time.perf_counter() - t0
