@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tokenizers import processors
 
 import specfleet.runtime.attention as attention
+from specfleet.runtime import native_backend
 from conftest import optional_model_path
 from specfleet.errors import UnsupportedModelError
 from specfleet.runtime.block_manager import BlockManager
@@ -420,8 +421,8 @@ def test_gguf_layer_pattern(tmp_path, tmp_cache, pattern, expected):
 def test_gguf_in_block_formats_runs_natively(tmp_path, tmp_cache):
     from specfleet.runtime import qtensor
 
-    if not qtensor.available():
-        pytest.skip(f"native kernels: {qtensor.unavailable_reason()}")
+    if not native_backend.available():
+        pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
     from specfleet.runtime.qlinear import QEmbedding, QLinear
 
     model = tiny_vocab_gemma()
@@ -514,8 +515,8 @@ def test_speculative_greedy_equals_plain_with_gemma_target_and_draft(ours, kind,
 def test_speculative_greedy_equals_plain_on_native_gemma_weights(hf, kind):
     from specfleet.runtime import qtensor
 
-    if not qtensor.available():
-        pytest.skip(f"native kernels: {qtensor.unavailable_reason()}")
+    if not native_backend.available():
+        pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
     from tiny_quant_models import quantized_model
 
     target = quantized_model(hf)

@@ -29,13 +29,14 @@ from test_strategies_engine import assert_all_free
 from tiny_models import run_to_completion, tiny_hf_model
 
 qtensor = pytest.importorskip("specfleet.runtime.qtensor", reason="the native GGUF kernels' module (runtime/qtensor.py)")
+from specfleet.runtime import native_backend  # noqa: E402
 from specfleet.runtime.qlinear import QEmbedding, QLinear  # noqa: E402
 from tiny_quant_models import quantized_model, quantized_weights, write_quantized_gguf  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 Q = gguf.GGMLQuantizationType
 
-pytestmark = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not native_backend.available(), reason=f"native kernels: {native_backend.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +163,8 @@ def test_draft_quant_option_and_llm_quantization_modes(tiny_gguf):
 
 def test_fallback_to_dense_weights_when_the_kernels_are_off(tiny_gguf, monkeypatch, caplog):
     arch, path = tiny_gguf
-    monkeypatch.setattr(qtensor, "available", lambda: False)
-    monkeypatch.setattr(qtensor, "unavailable_reason", lambda: "turned off for the test")
+    monkeypatch.setattr(native_backend, "available", lambda: False)
+    monkeypatch.setattr(native_backend, "unavailable_reason", lambda: "turned off for the test")
     with caplog.at_level(logging.WARNING):
         model, _ = load_model(str(path), torch.float32, torch.device("cpu"), quantization="auto")
     assert "turned off for the test" in caplog.text
@@ -188,9 +189,10 @@ def test_a_cpu_the_kernels_do_not_cover_runs_dense_and_says_why(tiny_gguf, monke
     arch, path = tiny_gguf
     monkeypatch.setattr(native, "_cpu_flags", frozenset(flags))
     monkeypatch.setattr(platform, "machine", lambda: machine)
-    monkeypatch.setattr(qtensor, "_libs", {})
-    monkeypatch.setattr(qtensor, "_reasons", {})
-    assert qtensor.runnable_isas() == [] and qtensor.isa() is None
+    monkeypatch.setattr(native_backend, "_libs", {})  # forget the real CPU's library until the test ends
+    monkeypatch.setattr(native_backend, "_reasons", {})
+    monkeypatch.setattr(native_backend, "_default", None)
+    assert native_backend.runnable_isas() == [] and native_backend.isa() is None
     with caplog.at_level(logging.WARNING):
         model, _ = load_model(str(path), torch.float32, torch.device("cpu"), quantization="auto")
     assert why in caplog.text and "loading dense weights instead" in caplog.text

@@ -12,7 +12,7 @@ import torch
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.engine.engine import Engine
-from specfleet.runtime import qtensor
+from specfleet.runtime import native_backend, qtensor
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.kv_cache import bytes_per_token
 from specfleet.sampling_params import SamplingParams
@@ -134,7 +134,7 @@ def _compute(bm, content, rid, req, n):
 
 
 # -- the engine ----------------------------------------------------------------------------------
-needs_native = pytest.mark.skipif(not qtensor.available(), reason=f"native kernels: {qtensor.unavailable_reason()}")
+needs_native = pytest.mark.skipif(not native_backend.available(), reason=f"native kernels: {native_backend.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Weight-only int8: the layer computes what its dequantized weights say, and speculation stays lossless
 against the quantized target (chains, trees, batches), through the LLM API as well as the engine."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_llm_quantization_option(qtarget):
         LLM.from_model(base, None, None, dtype="float32", quantization="int4")
 
 
-def test_bf16_cpu_upcast_path_computes_the_same_layer(monkeypatch):
+def test_bf16_cpu_upcast_path_computes_the_same_layer():
     """Large bf16 CPU batches run the linear layers in fp32 (runtime/model.py): same weights, fp32
     accumulation; below the threshold the plain bf16 path runs. Both agree to bf16 rounding, and a
     bf16 model's greedy output is unchanged on a tiny model."""
@@ -113,12 +114,12 @@ def test_bf16_cpu_upcast_path_computes_the_same_layer(monkeypatch):
     lin = model_mod.Linear(64, 48, bias=True).to(torch.bfloat16)
     x = torch.randn(20, 64, dtype=torch.bfloat16)
     exact = F.linear(x.float(), lin.weight.float(), lin.bias.float())
-    monkeypatch.setattr(model_mod, "UPCAST_ROWS", 16)
+    lin.runtime = dataclasses.replace(lin.runtime, upcast_rows=16)
     lin.requires_grad_(False)
     up = lin(x)
     # the fp32 path, rounded once to bf16: within half a bf16 step of the exact product
     assert ((up.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
     small = lin(x[:4])  # under the threshold: torch's bf16 kernel
     assert torch.allclose(small.float(), exact[:4], atol=0.1, rtol=0.02)
-    monkeypatch.setattr(model_mod, "UPCAST_ROWS", 0)
+    lin.runtime = dataclasses.replace(lin.runtime, upcast_rows=0)
     assert torch.allclose(lin(x).float(), exact, atol=0.1, rtol=0.02)
