@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specfleet.runtime.attention import ROWWISE_ROWS
@@ -94,8 +95,9 @@ def _visible_new(item: ForwardItem, r: int) -> list[int]:
     if mask is None:
         return list(range(r + 1))
     c = item.context_len
+    mask = mask if isinstance(mask, np.ndarray) else mask.cpu().numpy()
     new = mask[r, c:] if mask.shape[1] == c + len(item.token_ids) else mask[r]
-    return new[: r + 1].nonzero().flatten().tolist()
+    return new[: r + 1].nonzero()[0].tolist()
 
 
 @dataclass
@@ -165,7 +167,7 @@ class RowChecker:
         c, n = it.context_len, len(it.token_ids)
         is_tree = it.new_mask is not None  # tree_item: a causal prefix whose last token is the root
         n_prefix = it.logit_indices[0] + 1 if is_tree and len(it.logit_indices) else n
-        chain = not is_tree or bool(torch.equal(it.new_mask[:, -n:].cpu(), torch.ones(n, n, dtype=torch.bool).tril()))
+        chain = not is_tree or bool(np.array_equal(np.asarray(it.new_mask)[:, -n:], np.tri(n, dtype=bool)))
         context = list(range(c))
         tasks = []
         for j, r in enumerate(it.logit_indices):

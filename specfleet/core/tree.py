@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -82,10 +83,11 @@ class DraftTree:
         has_child = set(p for p in self.parents if p >= 0)
         return [j for j in range(len(self)) if j not in has_child]
 
-    def verify_mask(self) -> torch.Tensor:
-        """[n+1, n+1] bool over [root, nodes...]: row i may see column j iff j is i or an ancestor of i."""
+    def verify_mask(self) -> np.ndarray:
+        """[n+1, n+1] bool over [root, nodes...]: row i may see column j iff j is i or an ancestor of i.
+        Host data (numpy): the runner decides layouts from it and sends the device one copy."""
         n = len(self)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
         mask[:, 0] = True
         mask[0, 0] = True
         for j, p in enumerate(self.parents):

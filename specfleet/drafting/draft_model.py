@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specfleet.errors import InvalidRequestError
@@ -277,7 +278,7 @@ class DraftModelProposer:
                 break
             n_new = len(tokens) - first_new
             ctx = base + first_new
-            mask = torch.zeros(n_new, ctx + n_new, dtype=torch.bool)
+            mask = np.zeros((n_new, ctx + n_new), dtype=bool)  # host data, sent with the step's one copy
             mask[:, :base] = True
             for i in range(n_new):
                 for a in paths[first_new + i]:

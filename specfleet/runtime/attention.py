@@ -59,7 +59,7 @@ class SeqAttention:
     kv: slice | torch.Tensor  # cache rows of its context_len + query_len tokens: a slice, or gathered indices
     new_mask: torch.Tensor | None = None  # [query, query] bool among the new tokens; None = causal
     context_mask: torch.Tensor | None = None  # [query, context] bool; None = the whole context is visible
-    host_mask: torch.Tensor | None = None  # new_mask as the runner built it on the CPU (read without a device sync)
+    host_mask: np.ndarray | None = None  # new_mask as the runner built it on the host (read without a device sync)
     host_context_mask: np.ndarray | None = None  # context_mask's host copy
     host_rows: np.ndarray | None = None  # when `kv` is gathered indices: their host copy (int64)
     _bias: dict = field(default_factory=dict, repr=False)  # additive masks folded per group, made once per step
@@ -90,7 +90,7 @@ class SeqAttention:
         prefix (the context, then its visible new tokens), or None when they are: made once per step
         from the host copy of the mask, so no layer waits on the device for it."""
         if device not in self._row_keys:
-            mask = (self.host_mask if self.host_mask is not None else self.new_mask.cpu()).numpy()
+            mask = self.host_mask if self.host_mask is not None else self.new_mask.cpu().numpy()
             c, rows = self.context_len, []
             for i in range(self.query_len):  # host arithmetic in numpy: no tensor op, no device wait
                 seen = mask[i, :i + 1].nonzero()[0]

@@ -38,10 +38,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
+        if rt.cuda_kernels and cuda_kernels.available(x.device):  # batch-invariant: a row summed as its decode step
+            return cuda_kernels.linear(x, self.weight, self.bias)
         if x.device.type == "cpu":
             return cpu_linear(x, self.weight, self.bias, rt.upcast_rows, rt.weight_left, rt.native_rows)
-        if rt.cuda_kernels and cuda_kernels.available(x.device):  # batch-invariant: a verified row is summed as its decode step
-            return cuda_kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.runtime.cuda_kernels and cuda_kernels.available(x.device):  # one program per row
+        if self.runtime.cuda_kernels and cuda_kernels.available(x.device):  # one program per row
             return cuda_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         x32 = x.float()
@@ -230,8 +230,8 @@ class DecoderLM(nn.Module):
         if vocab_limit is not None:
             weight = weight[:vocab_limit]
         rt = self.runtime
-        if hidden.device.type == "cpu":
-            return cpu_linear(hidden, weight, None, rt.upcast_rows, rt.weight_left, rt.native_rows).float()
         if rt.cuda_kernels and cuda_kernels.available(hidden.device):
             return cuda_kernels.linear(hidden, weight).float()
+        if hidden.device.type == "cpu":
+            return cpu_linear(hidden, weight, None, rt.upcast_rows, rt.weight_left, rt.native_rows).float()
         return F.linear(hidden, weight).float()

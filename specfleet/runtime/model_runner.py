@@ -36,7 +36,7 @@ class ForwardItem:
     positions: list[int] | None = None
     # bool visibility of the new tokens: [n, n] over the new tokens (the whole context is visible),
     # or [n, context_len + n] when part of the context must stay hidden (a tree drafted level by level)
-    new_mask: torch.Tensor | None = None
+    new_mask: np.ndarray | torch.Tensor | None = None  # host data: numpy, or a CPU tensor
     block_ids: list[int] | None = None  # the request's block table; None: looked up in execute's `blocks`
 
 
@@ -50,7 +50,7 @@ def tree_item(request_id: str, tokens: list[int], context_len: int, tree: DraftT
     if not len(tree):
         return ForwardItem(request_id, tokens, context_len, logit_rows, block_ids=block_ids)
     n = n_prefix + len(tree)
-    mask = torch.ones(n, n, dtype=torch.bool).tril_()  # the prefix is causal
+    mask = np.tri(n, dtype=bool)  # the prefix is causal
     mask[n_prefix - 1:, n_prefix - 1:] = tree.verify_mask()  # the tree below its root
     mask[n_prefix:, :n_prefix - 1] = True  # every node sees the whole prefix
     root = context_len + n_prefix - 1
@@ -94,7 +94,7 @@ class ModelRunner:
         """int64 host arrays -> device tensors, in one copy (CUDA: from a pinned buffer, not waiting)."""
         sizes = [len(a) for a in arrays]
         total = sum(sizes)
-        if not self._cuda:
+        if self.device.type != "cuda":
             flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)) if total else \
                 torch.zeros(0, dtype=torch.long)
             return list(flat.to(self.device).split(sizes))
@@ -156,16 +156,17 @@ class ModelRunner:
         mask = it.new_mask
         if mask is None:
             return SeqAttention(n, c, kv, host_rows=host_rows)
-        host = mask.cpu().numpy()  # masks are built on the host: decisions read this copy, never the device's
+        # masks are host data: decisions read this copy, never the device's
+        host = mask if isinstance(mask, np.ndarray) else mask.cpu().numpy()
         context_mask = host_context = None
         if host.shape[1] == c + n:
             if not host[:, :c].all():
                 host_context = host[:, :c].copy()
                 context_mask = torch.from_numpy(host_context).to(self.device, non_blocking=True)
             host = host[:, c:]
-        host = torch.from_numpy(host.copy())
-        return SeqAttention(n, c, kv, host.to(self.device, non_blocking=True), context_mask, host_mask=host,
-                            host_context_mask=host_context, host_rows=host_rows)
+        host = np.ascontiguousarray(host)
+        return SeqAttention(n, c, kv, torch.from_numpy(host.copy()).to(self.device, non_blocking=True), context_mask,
+                            host_mask=host, host_context_mask=host_context, host_rows=host_rows)
 
     def commit_path(self, blocks: BlockManager, request_id: str, base: int, path: list[int]) -> None:
         """Keep the KV of an accepted tree path: node j of the tree sits at layout index base + j; the
