@@ -24,6 +24,7 @@ from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.load import load_model
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
+from specfleet.runtime.runtime_config import RuntimeConfig
 from specfleet.runtime.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.grammar_draft import GrammarDraftProposer
@@ -57,7 +58,7 @@ class LLM:
                  kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, max_num_prefills: int = 4,
                  mixed_step_factor: float | None = 2.0, quantization: str | None = "auto",
-                 enable_prefix_caching: bool = True, grammar_draft: bool = True,
+                 enable_prefix_caching: bool = True, grammar_draft: bool = True, runtime: RuntimeConfig | None = None,
                  _loaded: tuple[DecoderLM, object] | None = None):
         """Load `model` (a registered name or a path) and serve it with `draft` (the default: `default_draft`;
         None: no speculation). `LLM.from_model` wraps a model already loaded instead (`_loaded` is its way in).
@@ -79,7 +80,9 @@ class LLM:
         tokens (a chat's next turn, an agent's system prompt), for the target and every draft model.
         `grammar_draft` puts the grammar draft in front of the drafts for requests with
         `structured_outputs` (strategies/grammar_front.py; `draft=None` turns speculation off altogether,
-        the grammar draft included)."""
+        the grammar draft included). `runtime` sets how the target computes (runtime/runtime_config.py:
+        the linear layers' routes, the fused native forward, the CUDA invariant kernels; default: the
+        environment's and this machine's best); it never changes what is computed."""
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
@@ -100,6 +103,8 @@ class LLM:
                                           f"the model handed in is {have or 'dense'}")
         else:
             self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
+        if runtime is not None:
+            self.model.set_runtime(runtime)
         # the server encodes on its tokenizer thread while the engine thread decodes (runtime/tokenizer.py)
         self.tokenizer = per_thread(self.tokenizer)
         self.model_name = model

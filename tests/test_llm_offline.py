@@ -108,3 +108,25 @@ def test_from_model_wraps_the_model_as_it_is_and_names_it():
             == [o.token_ids for o in plain.generate(prompts, GREEDY)])
     with pytest.raises(TypeError):
         LLM.from_model(model, model="tiny")  # the model is the one handed in
+
+
+def test_a_runtime_config_reaches_every_module_and_changes_only_rounding():
+    """LLM(..., runtime=RuntimeConfig(...)) hands the settings to the model and each of its linear layers and
+    norms (no module-level switch); outputs stay those of the default routes on a tiny fp32 model."""
+    import dataclasses
+
+    from specfleet.runtime.model import Linear, RMSNorm
+    from specfleet.runtime.runtime_config import RuntimeConfig
+
+    prompts = random_prompts([5, 7])
+    default = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    runtime = dataclasses.replace(RuntimeConfig(), weight_left=False, upcast_rows=0, native_rows=0)
+    other = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
+                           runtime=runtime)
+    modules = [m for m in other.model.modules() if isinstance(m, (Linear, RMSNorm))]
+    assert modules and all(m.runtime is runtime for m in modules) and other.model.runtime is runtime
+    assert all(m.runtime is not runtime for m in default.model.modules() if isinstance(m, (Linear, RMSNorm)))
+    assert ([o.token_ids for o in other.generate(prompts, GREEDY)]
+            == [o.token_ids for o in default.generate(prompts, GREEDY)])
+    with pytest.raises(ValueError, match=">= 0"):
+        RuntimeConfig(upcast_rows=-1)
