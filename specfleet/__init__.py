@@ -15,10 +15,11 @@ import os
 # first; a setting of the user's own wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "RuntimeConfig", "SamplingParams"]
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "specfleet.llm", "RequestOutput": "specfleet.outputs", "SamplingParams": "specfleet.sampling_params"}
+_EXPORTS = {"LLM": "specfleet.llm", "RequestOutput": "specfleet.outputs", "SamplingParams": "specfleet.sampling_params",
+            "RuntimeConfig": "specfleet.runtime.runtime_config"}
 
 
 def __getattr__(name: str):
