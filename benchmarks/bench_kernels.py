@@ -21,7 +21,7 @@ import torch
 
 from specfleet.bench.report import md_table, write_results
 from specfleet.runtime import model as model_mod
-from specfleet.runtime import native
+from specfleet.runtime import native_backend
 from specfleet.runtime.quant import Int8Linear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused)
@@ -71,8 +71,8 @@ def main() -> None:
              ("fp32 specfleet", torch.float32), ("int8", torch.bfloat16), ("int8-fp32act", torch.float32))
     rt = model_mod.DEFAULT_RUNTIME
     payload["upcast_rows"], payload["weight_left"] = rt.upcast_rows, rt.weight_left
-    payload["native_rows"], payload["native_available"] = rt.native_rows, native.bf16_linear_available()
-    payload["native_unavailable_reason"] = native.unavailable_reason()
+    payload["native_rows"], payload["native_available"] = rt.native_rows, native_backend.available()
+    payload["native_unavailable_reason"] = native_backend.unavailable_reason()
     torch_one_row = {}
     for kind, dtype in kinds:
         fns = layer_fns(kind, dtype)
@@ -90,7 +90,7 @@ def main() -> None:
             "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
             f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/cpu_linear.py (fp32: W @ x^T from "
             f"2 rows; bf16: the native kernel up to {rt.native_rows} rows"
-            f"{'' if native.bf16_linear_available() else ' (UNAVAILABLE here: ' + str(native.unavailable_reason()) + ')'}"
+            f"{'' if native_backend.available() else ' (UNAVAILABLE here: ' + str(native_backend.unavailable_reason()) + ')'}"
             f", then the sliced fp32 upcast from {rt.upcast_rows} rows); sliced = specfleet without the native "
             "kernel. vs_torch_one_row: against the first kind of the same dtype's one row (bf16, fp32: torch; "
             "int8 and int8-fp32act: their own).\n\n"

@@ -18,7 +18,7 @@ needs_native = pytest.mark.skipif(native.missing_prerequisite() is not None,
 def test_kernel_builds_where_it_can():
     """Where the prerequisites hold, the kernel must build and load (a broken kernel must not hide
     behind the silent fallback)."""
-    assert native.bf16_linear_available(), native.unavailable_reason()
+    assert native_backend.available(), native_backend.unavailable_reason()
 
 
 @needs_native
@@ -29,7 +29,7 @@ def test_matches_fp32_product(m, k, n):
     w = torch.randn(n, k).bfloat16()
     x = torch.randn(m, k).bfloat16()
     b = torch.randn(n)
-    out = native.bf16_linear(x, w, b)
+    out = native_backend.bf16_linear(x, w, b)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     ref = F.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
@@ -44,10 +44,10 @@ def test_rows_are_batch_invariant():
     torch.manual_seed(5)
     w = torch.randn(300, 200).bfloat16()
     x = torch.randn(17, 200).bfloat16()
-    full = native.bf16_linear(x, w)
+    full = native_backend.bf16_linear(x, w)
     for i in range(17):
-        assert torch.equal(full[i:i + 1], native.bf16_linear(x[i:i + 1], w))
-    assert torch.equal(full[3:8], native.bf16_linear(x[3:8], w))
+        assert torch.equal(full[i:i + 1], native_backend.bf16_linear(x[i:i + 1], w))
+    assert torch.equal(full[3:8], native_backend.bf16_linear(x[3:8], w))
 
 
 @needs_native
@@ -57,7 +57,7 @@ def test_cpu_linear_routes_bf16_rows_to_the_kernel_up_to_native_rows():
     x = torch.randn(2, 3, 24).bfloat16()  # 6 rows
     routed = cpu_linear(x, w, None, upcast_rows=4, weight_left=True, native_rows=8)
     assert routed.dtype == torch.bfloat16 and routed.shape == (2, 3, 40)
-    assert torch.equal(routed, native.bf16_linear(x.reshape(6, 24), w).bfloat16().view(2, 3, 40))
+    assert torch.equal(routed, native_backend.bf16_linear(x.reshape(6, 24), w).bfloat16().view(2, 3, 40))
     # above native_rows, or with it 0, the earlier routes (here the sliced upcast, from 4 rows)
     from specfleet.runtime.cpu_linear import sliced_upcast_linear
     above = cpu_linear(x, w, None, upcast_rows=4, weight_left=True, native_rows=5)
@@ -80,12 +80,12 @@ def test_unavailable_kernel_reports_why_and_routes_fall_back(monkeypatch, tmp_pa
         monkeypatch.setenv(var, value)
         if case == "no compiler":
             monkeypatch.setattr(shutil, "which", lambda name: None)
-        assert not native.bf16_linear_available(), case
-        assert expect in native.unavailable_reason(), native.unavailable_reason()
+        assert not native_backend.available(), case
+        assert expect in native_backend.unavailable_reason(), native_backend.unavailable_reason()
         w, x = torch.randn(8, 16).bfloat16(), torch.randn(3, 16).bfloat16()
         assert torch.equal(cpu_linear(x, w, None, upcast_rows=0, weight_left=True, native_rows=8), F.linear(x, w))
         with pytest.raises(RuntimeError, match="unavailable"):
-            native.bf16_linear(x, w)
+            native_backend.bf16_linear(x, w)
         monkeypatch.undo()  # the real kernel state comes back for the next case and the other tests
 
 

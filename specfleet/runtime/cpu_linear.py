@@ -14,12 +14,12 @@ choices are poor for the shapes speculation produces (benchmarks/results/kernels
 
 So on CPUs without native bf16 this module computes
 - bf16 weights with up to `native_rows` rows (32 by default): specfleet's own AVX2 kernel
-  (csrc/bf16_linear.c via runtime/native.py), which reads each weight once, widens it in registers and
+  (csrc/bf16_linear.c via runtime/native_backend.py), which reads each weight once, widens it in registers and
   multiplies it by every row, so 5 rows cost about what one row of torch's kernel does and one row
   costs less (benchmarks/results/kernels-cpu-20261122T033135Z: one decoder layer of the 1.5B, 1/2/5/8/16/32
   rows cost 0.66/0.71/1.09/1.60/2.66/5.46x torch's one row, against torch's 1.96x at 2 rows,
   4.75/7.57/14.8/29.4x at 5/8/16/32 and the sliced route's 3.05/3.78/3.70/5.51x);
-  where it cannot be built (see runtime/native.py) the two routes below take over;
+  where it cannot be built (see runtime/native_backend.py) the two routes below take over;
 - fp32 weights with 2 <= rows: W @ x^T (then transposed back), the same arithmetic;
 - bf16 weights with >= `upcast_rows` rows (4 by default) not taken by the native kernel, and int8 weights with >= `INT8_SLICED_ROWS`
   (runtime/quant.py; below that the packed int8 kernel is faster): in fp32, converting the weight in slices of about
@@ -38,7 +38,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specfleet.runtime import native
+from specfleet.runtime import native_backend
 
 SLICE_BYTES = 4 << 20  # fp32 bytes of weight converted per slice (measured best of 0.5-8 MiB on a 2-core EPYC)
 
@@ -116,9 +116,9 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = x.numel() // k if k else 0
     if (0 < rows <= native_rows and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
             and weight.is_contiguous()):
-        lib = native.library()
+        lib = native_backend.library()
         if lib is not None:
-            out = native.run_bf16_linear(lib, x.reshape(rows, k), weight, bias)
+            out = native_backend.run_bf16_linear(lib, x.reshape(rows, k), weight, bias)
             return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     if weight_left and weight.dtype == torch.float32 and x.dtype == torch.float32 and rows >= 2:
         return weight_left_linear(x.reshape(rows, k), weight, bias).view(*x.shape[:-1], weight.shape[0])

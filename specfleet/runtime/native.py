@@ -8,9 +8,7 @@ edited kernel is rebuilt; builds go to a temporary file renamed into place, so c
 load a half-written library. runtime/native_backend.py is the one loader of the kernels it builds.
 `cpu_flags` is the one reader of the CPU's flags.
 
-`bf16_linear` is the dense bf16 product of native_backend's library (the same library as the GGUF kernels);
-where it cannot be used (see native_backend: not x86-64 Linux, a CPU without AVX2/FMA/F16C, no compiler, a
-failed build, `SPECFLEET_NATIVE=0`) `bf16_linear_available()` is False and callers keep torch's routes.
+The kernels' wrappers (the bf16 linear of csrc/bf16_linear.c among them) live in runtime/native_backend.py.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-
-import torch
 
 _cpu_flags: frozenset[str] | None = None
 
@@ -103,50 +99,3 @@ def missing_prerequisite() -> str | None:
     if _compiler() is None:
         return "no C compiler found (set CC, or install gcc)"
     return None
-
-
-def bf16_linear_available() -> bool:
-    from specfleet.runtime import native_backend
-
-    return native_backend.available()
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (native_backend's), or None where it is unavailable (built on the first call)."""
-    from specfleet.runtime import native_backend
-
-    return native_backend.library()
-
-
-def unavailable_reason() -> str | None:
-    from specfleet.runtime import native_backend
-
-    return native_backend.unavailable_reason()
-
-
-def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
-    fp32 sums. Checks its arguments; raises if the kernel is unavailable."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the native bf16 kernel is unavailable: {unavailable_reason()}")
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
-        raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
-    if x2.dim() != 2 or x2.shape[1] != weight.shape[1]:
-        raise ValueError(f"bf16_linear: x of shape {tuple(x2.shape)} does not match weight {tuple(weight.shape)}")
-    return run_bf16_linear(lib, x2, weight, bias)
-
-
-def run_bf16_linear(lib: ctypes.CDLL, x2: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    """`bf16_linear` without the checks, for a caller that has made them (runtime/cpu_linear.py, once per
-    linear layer per forward): `lib` from `library()`, a contiguous bf16 CPU weight, x2 [M, K] on the CPU."""
-    n, k = weight.shape
-    x = x2.to(torch.float32).contiguous()
-    m = x.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    if m and n:
-        lib.specfleet_bf16_linear(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
-    if bias is not None:
-        y += bias.float()
-    return y

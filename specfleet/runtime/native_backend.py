@@ -25,6 +25,8 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 from specfleet.runtime import native
 
 log = logging.getLogger(__name__)
@@ -172,3 +174,30 @@ def unavailable_reason() -> str | None:
         return None
     return next(iter(_reasons.values()), None)
 
+
+def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
+    fp32 sums. Checks its arguments; raises if the kernel is unavailable."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native bf16 kernel is unavailable: {unavailable_reason()}")
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
+    if x2.dim() != 2 or x2.shape[1] != weight.shape[1]:
+        raise ValueError(f"bf16_linear: x of shape {tuple(x2.shape)} does not match weight {tuple(weight.shape)}")
+    return run_bf16_linear(lib, x2, weight, bias)
+
+
+def run_bf16_linear(lib: ctypes.CDLL, x2: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`bf16_linear` without the checks, for a caller that has made them (runtime/cpu_linear.py, once per
+    linear layer per forward): `lib` from `library()`, a contiguous bf16 CPU weight, x2 [M, K] on the CPU."""
+    n, k = weight.shape
+    x = x2.to(torch.float32).contiguous()
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        lib.specfleet_bf16_linear(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    if bias is not None:
+        y += bias.float()
+    return y
