@@ -9,9 +9,11 @@ model with the shape of Qwen2.5-Coder-1.5B or -0.5B (random bf16 weights) and me
   the one-token forward at the same context (PERFORMANCE.md's cost model);
 - `plain_tok_s`: plain greedy generation through the engine, 64 tokens, batch 1 and 8.
 
-Each backend runs in its own process: `invariant` (runtime/cuda_kernels.py: the batch-invariant Triton
-kernels that keep every verified row bit-identical to its decode step) and `cublas` (SPECFLEET_CUDA_KERNELS=0:
-cuBLAS and SDPA, which are not row-invariant; a reference for what invariance costs).
+Each backend runs in its own process: `graphs` (the invariant kernels with the step shapes that repeat
+replayed from captured CUDA graphs, runtime/cuda_graphs.py), `invariant` (runtime/cuda_kernels.py: the
+batch-invariant Triton kernels that keep every verified row bit-identical to its decode step, launched
+eagerly) and `cublas` (SPECFLEET_CUDA_KERNELS=0: cuBLAS and SDPA, which are not row-invariant; a reference
+for what invariance costs).
 Every time is the median of `--repeats` runs, each fenced by torch.cuda.synchronize().
 
     python benchmarks/bench_gpu_step.py --shape qwen-1.5b qwen-0.5b
@@ -34,7 +36,9 @@ SHAPES = {  # the embedded GGUF models' shapes (their config in the GGUF metadat
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
-BACKENDS = {"invariant": {"SPECFLEET_CUDA_KERNELS": "1"}, "cublas": {"SPECFLEET_CUDA_KERNELS": "0"}}
+BACKENDS = {"graphs": {"SPECFLEET_CUDA_KERNELS": "1", "SPECFLEET_CUDA_GRAPHS": "1"},
+            "invariant": {"SPECFLEET_CUDA_KERNELS": "1", "SPECFLEET_CUDA_GRAPHS": "0"},
+            "cublas": {"SPECFLEET_CUDA_KERNELS": "0", "SPECFLEET_CUDA_GRAPHS": "0"}}
 CONTEXT = 128
 KS = tuple(range(1, 9))
 
@@ -104,7 +108,8 @@ def child(shape: str, device: str, repeats: int) -> dict:
         return statistics.median(run() for _ in range(n))
 
     on = model.runtime.cuda_kernels and cuda_kernels.available(dev)
-    out = {"cuda_kernels": "batch-invariant Triton kernels" if on else
+    graphs = on and model.runtime.cuda_graphs
+    out = {"cuda_kernels": ("batch-invariant Triton kernels" + (", CUDA graphs" if graphs else "")) if on else
            ("off (RuntimeConfig.cuda_kernels)" if not model.runtime.cuda_kernels else cuda_kernels.unavailable_reason()),
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "-"}
     one = med(lambda: forward(1, 1))
@@ -149,14 +154,17 @@ def main() -> None:
             env = {**os.environ, **BACKENDS[name]}
             proc = subprocess.run([sys.executable, __file__, "--child", "--shape", shape, "--device", args.device,
                                    "--repeats", str(args.repeats)], env=env, capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(f"{shape} {name} failed:\n{proc.stderr[-3000:]}")
+            if proc.returncode:  # reported, and the other backends still run
+                print(f"{shape} {name} failed:\n{proc.stderr[-3000:]}", flush=True)
+                rows.append({"shape": shape, "backend": name, "error": proc.stderr.strip().splitlines()[-1][:300]})
+                continue
             res = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append({"shape": shape, "backend": name, **{k: (round(v, 2) if isinstance(v, float) else v)
                                                             for k, v in res.items()}})
             print(rows[-1], flush=True)
     cols = ["shape", "backend", "decode_ms_b1", "decode_ms_b8", "c(1)", "c(2)", "c(4)", "c(8)", "plain_tok_s_b1",
             "plain_tok_s_b8"]
+    cols += ["error"] if any("error" in r for r in rows) else []
     table = md_table(rows, cols)
     print(table)
     body = ("Random bf16 weights in the embedded models' shapes; each backend in its own process; medians of "

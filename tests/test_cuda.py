@@ -163,3 +163,22 @@ def test_real_model_rows_equal_their_decode_steps_on_cuda(real_model, draft):
     assert report.rows_differing == 0, report.as_dict()
     assert eng.stats.num_drafted > 0 and report.rows_checked > len(prompts) * params.max_tokens
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-chain", 8)])
+def test_step_graphs_replay_the_eager_steps_bits_on_cuda(pair, kind, batch):
+    """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification replay captured CUDA graphs
+    (runtime/cuda_graphs.py); the tokens are the eager steps' and every verified row equals its decode step."""
+    import copy
+    import dataclasses
+
+    target, draft = pair
+    prompts = repetitive_prompts(LENGTHS[batch])
+    eager = run_to_completion(_engine(target), prompts, GREEDY)
+    on = dataclasses.replace(target.runtime, cuda_graphs=True)
+    tgt, drf = copy.deepcopy(target).set_runtime(on), copy.deepcopy(draft).set_runtime(on)
+    eng = _engine(tgt, None if kind is None else _proposer(kind, drf), budget=32 if kind else 512)
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert report.rows_differing == 0, report.as_dict()
+    assert eng.runner.graphs.replays > len(prompts) and all(s.graph is not None for s in eng.runner.graphs._shapes.values())

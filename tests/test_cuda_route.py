@@ -11,6 +11,8 @@ step asks for, so a regression fails here and not first on a lent GPU:
   device set to `meta`, so a tensor made without naming its device (the `torch.arange(c)` concatenated with
   a CUDA tensor that once broke tree verification on GPUs) fails the step.
 """
+import copy
+
 import pytest
 import torch
 
@@ -110,3 +112,26 @@ def test_the_cuda_route_makes_every_tensor_on_the_models_device(routed, pair, ki
     monkeypatch.setattr(cuda_kernels, "attend", lambda q, *a: attend(q, *a) + torch.zeros(q.shape[-1]))
     with pytest.raises(Exception, match="device"):
         run()
+
+
+@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-tree", 3)])
+def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, batch):
+    """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification steps go through
+    runtime/cuda_graphs.py's padded static buffers (captured on a GPU; run eagerly here, which checks the
+    padding, the static plan and the row layout): the same tokens as the eager route, every verified row
+    equal to its decode step, and the padded path really taken."""
+    import dataclasses
+
+    target, draft = pair
+    prompts = repetitive_prompts(LENGTHS[batch])
+    eager = run_to_completion(_cpu_engine(target), prompts, GREEDY)
+    on = dataclasses.replace(target.runtime, cuda_graphs=True)
+    tgt, drf = copy.deepcopy(target).set_runtime(on), copy.deepcopy(draft).set_runtime(on)
+    eng = _cpu_engine(tgt, None if kind is None else _cpu_proposer(kind, drf), budget=32 if kind else 512)
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert report.rows_differing == 0, report.as_dict()
+    if kind != "draft-tree":  # (a tree's verification runs eagerly)
+        assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
+    if kind == "draft-chain":  # its verification steps and the draft model's chain steps too
+        assert eng.runner.graphs.replays > len(prompts) and eng.proposer.runner.graphs.replays > 0

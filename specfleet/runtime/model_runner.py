@@ -73,6 +73,7 @@ class ModelRunner:
         # one non-blocking copy from this pinned buffer; the event says when the last copy has left it
         self._cuda_kernels = cuda_kernels.available(device)
         self._staging: torch.Tensor | None = None
+        self.graphs = None  # runtime/cuda_graphs.StepGraphs, made at the first step that can use one
         self._staged: torch.cuda.Event | None = None
 
     @property
@@ -141,6 +142,10 @@ class ModelRunner:
             from specfleet.runtime.step_plan import KeyPlan
 
             plan = KeyPlan.build(batch).arrays()
+            if self.model.runtime.cuda_graphs:  # a step shape that repeats: replay its captured graph
+                logits = self._step_graph(items, arrays, plan, batch)
+                if logits is not None:
+                    return logits
         moved = self._upload(arrays + (plan or []))
         ids, pos, batch.slot_mapping, rows = moved[:4]
         if plan is not None:
@@ -148,6 +153,19 @@ class ModelRunner:
         hidden = self.model(ids, pos, batch, self.kv)
         self.last_hidden = hidden if self.keep_hidden else None
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
+
+    def _step_graph(self, items: list[ForwardItem], arrays, plan, batch: AttentionBatch) -> torch.Tensor | None:
+        from specfleet.runtime.cuda_graphs import StepGraphs
+
+        if self.graphs is None:
+            self.graphs = StepGraphs(self)
+        key = self.graphs.shape_of(items)
+        if key is None:
+            return None
+        logits = self.graphs.run(key, len(items), arrays, plan, batch)
+        if logits is not None and not self.keep_hidden:
+            self.last_hidden = None
+        return logits
 
     def _seq_attention(self, it: ForwardItem, kv: slice | torch.Tensor, host_rows: np.ndarray | None) -> SeqAttention:
         """Split the item's mask into its part over the context (None when all of it is visible) and its
