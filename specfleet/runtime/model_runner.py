@@ -97,13 +97,13 @@ class ModelRunner:
         total = sum(sizes)
         if self.device.type != "cuda":
             flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)) if total else \
-                torch.zeros(0, dtype=torch.long)
+                torch.zeros(0, dtype=torch.long, device="cpu")
             return list(flat.to(self.device).split(sizes))
         if self._staged is not None and not self._staged.query():
             self._staged.synchronize()  # the previous step's copy must leave the buffer first (it has, as a rule)
         if self._staging is None or len(self._staging) < total:
             self._staging = torch.empty(max(total, 2 * (0 if self._staging is None else len(self._staging)), 4096),
-                                        dtype=torch.long).pin_memory()
+                                        dtype=torch.long, device="cpu").pin_memory()
         if total:
             np.concatenate(arrays, out=self._staging.numpy()[:total])
         flat = self._staging[:total].to(self.device, non_blocking=True)

@@ -39,8 +39,8 @@ class RuntimeConfig:
     # cuBLAS and SDPA, which are not row-invariant (for comparisons only)
     cuda_kernels: bool = field(default_factory=_cuda_kernels_default)
     # CUDA, with the kernels: replay captured graphs of the step shapes that repeat (decode, chain drafting and
-    # chain verification; runtime/cuda_graphs.py), SPECFLEET_CUDA_GRAPHS=1
-    cuda_graphs: bool = field(default_factory=lambda: os.environ.get("SPECFLEET_CUDA_GRAPHS", "0") == "1")
+    # chain verification; runtime/cuda_graphs.py); SPECFLEET_CUDA_GRAPHS=0 launches every step eagerly
+    cuda_graphs: bool = field(default_factory=lambda: os.environ.get("SPECFLEET_CUDA_GRAPHS", "1") != "0")
 
     def __post_init__(self):
         if self.upcast_rows < 0 or self.native_rows < 0:
