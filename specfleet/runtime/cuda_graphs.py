@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8, 16, 24, 32)  # padded request counts
 MAX_NEW = 16  # new tokens per request (a verified chain of up to 15 drafted tokens)
+MAX_LOGITS_BYTES = 256 << 20  # a shape's captured logits stay allocated: larger ones run eagerly
 
 
 class StepGraphs:
@@ -66,6 +67,9 @@ class StepGraphs:
                 return None
             nlog = rows
         padded = next(b for b in BATCHES if b >= len(items))
+        vocab = self.runner.vocab_limit or self.runner.model.config.vocab_size
+        if padded * nlog * vocab * 4 > MAX_LOGITS_BYTES:
+            return None
         return padded, n, nlog
 
     def run(self, key: tuple[int, int, int], real: int, arrays: list[np.ndarray], plan: list[np.ndarray],
