@@ -364,3 +364,40 @@ def test_fleet_sampled_output_matches_target(setup, setting, seed0):  # noqa: F8
     assert 0.0 < stats.acceptance_rate < 1.0
     p12, p123 = p_values(samples, joint)
     assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+
+
+def test_the_engine_is_the_fleets_and_the_length_controllers_clock(models):
+    """The engine hands each step's measured seconds to every part of the composition that adapts to time
+    (core/proposer.observe_step); the fleet's step-cost model and the length controller learn from them, not
+    from gaps between their own calls."""
+    from specfleet.core.proposer import StepTiming, observe_step
+    from specfleet.strategies.length import LengthController
+
+    target, drafts = models
+    proposer = build_strategy(SPECS["adaptive"], drafts)
+    assert isinstance(proposer, LengthController)
+    fleet = proposer.inner
+    seen = []
+    real = fleet.observe_step
+    fleet.observe_step = lambda timing: seen.append(timing) or real(timing)
+    eng = make_engine(target, proposer)
+    run_to_completion(eng, repetitive_prompts(LENGTHS[3]), GREEDY)
+    assert len(seen) >= 5 and all(t.seconds > 0 and t.draft_seconds >= 0 and t.batch >= 1 for t in seen)
+    assert sum(t.verify_seconds for t in seen) <= eng.stats.verify_time + 1e-9
+    assert fleet.steps.measured and proposer._engine_now is not None  # both learned on the engine's clock
+    # each part hears a step once, even when it appears twice in a composition
+    calls = []
+
+    class Part:
+        name, children = "p", []
+
+        def observe_step(self, timing):
+            calls.append(timing)
+
+    part = Part()
+
+    class Both:
+        name, children = "both", [part, part]
+
+    observe_step(Both(), StepTiming(1.0, 0.1, 0.5, 1))
+    assert len(calls) == 1

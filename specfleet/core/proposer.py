@@ -179,6 +179,41 @@ def model_size(p: Proposer) -> int:
     return sum(sum(t.numel() for t in m.parameters()) for m in models.values())
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What the engine measured between two draftings. The engine is the one clock: strategies that adapt to
+    cost (the fleet's step-cost model, the length controller) read this instead of timing the gaps between
+    their own calls, so every part of a composition sees the same seconds."""
+
+    seconds: float  # from the end of the previous drafting to the start of this one (verify, commit, schedule)
+    draft_seconds: float  # the previous drafting itself
+    verify_seconds: float  # the target's forwards within `seconds`
+    batch: int  # requests about to be drafted for
+
+
+@runtime_checkable
+class ObservesSteps(Protocol):
+    def observe_step(self, timing: StepTiming) -> None:
+        """The engine's measurement of the step(s) since this composition last drafted."""
+
+
+def observe_step(p: Proposer, timing: StepTiming) -> None:
+    """Hand the engine's measured step to every part of a composition that adapts to time (once each)."""
+    seen: set[int] = set()
+
+    def walk(q) -> None:
+        if id(q) in seen:
+            return
+        seen.add(id(q))
+        if isinstance(q, ObservesSteps):
+            q.observe_step(timing)
+        if isinstance(q, Composite):
+            for c in q.children:
+                walk(c)
+
+    walk(p)
+
+
 def set_speculation_length(p: Proposer, n: int) -> bool:
     """Tell a proposer to draft `n` tokens deep; False when it has no such setting."""
     if isinstance(p, SpeculationLength):

@@ -13,7 +13,7 @@ import torch
 
 from specfleet.config import EngineConfig
 from specfleet.core.features import reads_features
-from specfleet.core.proposer import Proposer
+from specfleet.core.proposer import Proposer, StepTiming, observe_step
 from specfleet.core.stats import SpecStats
 from specfleet.engine.executor import StepExecutor
 from specfleet.engine.request import Request, RequestStatus, check_prompt
@@ -75,6 +75,11 @@ class Engine:
         self.stop_checker = StopChecker(tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
+        # the engine's clock for the proposers (core/proposer.StepTiming): when the last drafting ended, how long
+        # it took, and the target's forward seconds counted by then
+        self._drafted_at: float | None = None
+        self._draft_s = 0.0
+        self._verify_at = 0.0
         self.executor = StepExecutor(self.runner, self.blocks, self.stop_checker, self.stats, self._finish)
         self.runner.keep_hidden = reads_features(proposer)  # a draft head reads the target's features
         self._ids = itertools.count()
@@ -203,11 +208,17 @@ class Engine:
             return
         t0 = time.perf_counter()
         try:
+            if self._drafted_at is not None:  # the engine's clock, handed to the strategies that adapt to time
+                observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
+                                                       self.stats.verify_time - self._verify_at, len(ready)))
             trees = self.proposer.propose(ready)
         except Exception as e:  # noqa: BLE001 - see _draft_failed
             self._draft_failed(ready, "propose", e)
             return
-        dt = time.perf_counter() - t0
+        finally:
+            self._drafted_at, self._draft_s = time.perf_counter(), time.perf_counter() - t0
+            self._verify_at = self.stats.verify_time
+        dt = self._draft_s
         self.stats.draft_time += dt
         for r in ready:
             r.stats.draft_time += dt / len(ready)

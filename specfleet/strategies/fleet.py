@@ -136,6 +136,9 @@ class FleetProposer:
         self._explore_gap = {j: cfg.explore_every for j in self.expensive}
         self._pending: dict[str, _Pending] = {}
         self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
+        # the engine's measurement of the step since the last plan (observe_step); without an engine (a fleet
+        # driven alone) the gap on `clock` between two calls stands in
+        self._engine_elapsed: float | None = None
         self._dropped: set[str] = set()
         self._last_batch = 1
         self.num_steps = 0
@@ -147,7 +150,8 @@ class FleetProposer:
     # -- protocol --------------------------------------------------------------------------------
     def propose(self, requests: list) -> dict[str, DraftTree]:
         t0 = time.perf_counter()
-        self._time_step(requests, self.clock())
+        self._time_step(requests, self._engine_elapsed)
+        self._engine_elapsed = None
         for rid in self._dropped:
             self._pending.pop(rid, None)
         self._dropped.clear()
@@ -344,7 +348,15 @@ class FleetProposer:
         return best_k, best_rate
 
     # -- learning --------------------------------------------------------------------------------
-    def _time_step(self, requests: list, now: float) -> None:
+    def observe_step(self, timing) -> None:
+        """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
+        fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
+        if self.clock is time.perf_counter:
+            self._engine_elapsed = timing.seconds
+
+    def _time_step(self, requests: list, elapsed: float | None) -> None:
+        """Learn the step cost of the last plan (batch, drafted nodes) from `elapsed` seconds (the engine's;
+        None: this fleet's own clock)."""
         plan, self._plan = self._plan, None
         if plan is None:
             return
@@ -353,7 +365,8 @@ class FleetProposer:
             entry = per.get(r.request_id)
             if entry is None or not 1 <= r.num_tokens - entry[0] <= entry[1] + 1:
                 return  # a prefill joined this step, or more than one step passed
-        elapsed = now - end
+        if elapsed is None:
+            elapsed = self.clock() - end
         if elapsed > 0 and not (self.steps.measured and elapsed > 10 * self.steps.step_time(batch, nodes)):
             self.steps.add(batch, nodes, elapsed)
 

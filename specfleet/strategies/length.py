@@ -153,6 +153,7 @@ class LengthController:
     def __init__(self, inner: Proposer, config: LengthConfig | None = None, initial: int = 4):
         self.inner = inner
         self.children = [inner]
+        self._engine_now: float | None = None  # the engine's clock once it reports steps (observe_step)
         self.config = config or LengthConfig()
         self.monitor = LengthMonitor(self.config, initial if self.config.initial_length < 0 else self.config.initial_length)
         self.name = f"{inner.name}+adaptive"
@@ -198,8 +199,16 @@ class LengthController:
             set_speculation_length(self.inner, self.monitor.length)
         self.overhead_s["fit"] += time.perf_counter() - t0
 
+    def observe_step(self, timing) -> None:
+        """The engine's clock (core/proposer.StepTiming): the time from the previous drafting's start to this
+        one's, added to a clock that only the engine advances."""
+        if self._engine_now is None:  # from here on: the same base as the times already kept, then durations
+            self._engine_now = time.perf_counter()
+        else:
+            self._engine_now += timing.draft_seconds + timing.seconds
+
     def propose(self, requests: list) -> dict[str, DraftTree]:
-        self._observe_step(requests, time.perf_counter())
+        self._observe_step(requests, self._engine_now if self._engine_now is not None else time.perf_counter())
         s = self.monitor.length
         if s == 0:
             return {}
