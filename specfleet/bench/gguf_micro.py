@@ -36,7 +36,7 @@ def _tokens(source: list[list[int]], n: int) -> list[int]:
 
 
 def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
-    from specfleet.bench.llamacpp import LlamaCppSystem
+    from specfleet.bench.llamacpp import LlamaCppSystem, LlamaServerSystem
     from specfleet.bench.systems import SpecfleetSystem
 
     out: dict = {}
@@ -49,7 +49,7 @@ def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
         for k, ck in zip(VERIFY_KS, c):
             out[f"c({k})"] = round(ck, 2)
         out["decode_step_ms"] = round(one * 1000, 1)
-    elif isinstance(system, LlamaCppSystem):
+    elif isinstance(system, (LlamaCppSystem, LlamaServerSystem)):
         for n in PREFILL_LENGTHS:
             s = _best(lambda n=n: system.prefill_seconds(_tokens(prompt_ids, n)), repeats)
             out[f"prefill_{n}_tok_s"] = round(n / s, 2)

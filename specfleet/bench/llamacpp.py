@@ -1,16 +1,32 @@
-"""llama.cpp as a benchmark system (`llamacpp`), through the optional `llama-cpp-python` binding.
+"""llama.cpp as a benchmark system (`llamacpp`): a native `llama-server` when there is one, else the
+optional `llama-cpp-python` binding.
 
-It runs the same GGUF file specfleet loads (a registered name resolves to the same assembled file),
-on the same token-id prompts, greedy, one request at a time, with as many threads as torch uses.
-Timings come from the token stream: TTFT is submission to the first token (the prompt's prefill plus
-one sampled token), the rest are decode steps, so the report's decode tok/s means the same for both.
+llama.cpp at its best is a native build (`cmake -DGGML_NATIVE=ON`, ../shared/PERFORMANCE.md) in its own
+process with its own default threading, so where `LLAMA_SERVER` names a `llama-server` binary (or one is on
+the PATH) the system starts it (`LlamaServerSystem`) with no thread or wait-policy setting of ours
+(`LLAMA_SERVER_ARGS` adds options where its defaults fail on a machine, e.g. `--no-repack` on a CPU whose
+AMX path crashes; the report records them). Otherwise the binding runs in this process with as many
+threads as torch uses (`LlamaCppSystem`); its wheels are not always native builds, and the report says
+which system ran.
+
+Either way it runs the same GGUF file specfleet loads (a registered name resolves to the same assembled
+file), on the same token-id prompts, greedy, one request at a time. Timings come from the token stream:
+TTFT is submission to the first token (the prompt's prefill plus one sampled token), the rest are decode
+steps, so the report's decode tok/s means the same for every system.
 
 `available()` / `install_hint()` let the runner skip the system with one line naming the pip
-command when the binding is missing, rather than fail the whole run.
+command when neither is there, rather than fail the whole run.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +39,27 @@ from specfleet.extras import install_hint as _install_hint
 KIND = "llamacpp"
 
 
+def native_server() -> str | None:
+    """The native `llama-server` to measure against: LLAMA_SERVER, else one on the PATH, else None."""
+    path = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    return path if path and os.access(path, os.X_OK) else None
+
+
 def available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    return native_server() is not None or importlib.util.find_spec("llama_cpp") is not None
+
+
+def make_system(spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...]):
+    """The llama.cpp system for a run: the native server where there is one, else the binding."""
+    server = native_server()
+    if server is not None:
+        return LlamaServerSystem(spec, model, server, eos_token_ids=eos_token_ids)
+    return LlamaCppSystem(spec, model, eos_token_ids=eos_token_ids)
 
 
 def install_hint() -> str:
-    return (f"{_install_hint('llamacpp')} (or `pip install llama-cpp-python`; it compiles llama.cpp, "
+    return ("set LLAMA_SERVER to a native llama-server build (../shared/PERFORMANCE.md: llama.cpp at its best), or "
+            f"{_install_hint('llamacpp')} (or `pip install llama-cpp-python`; it compiles llama.cpp, "
             "about 10 minutes on 2 cores)")
 
 
@@ -56,7 +87,7 @@ class LlamaCppSystem:
         self.path = gguf_path(model)
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_threads=self.threads, n_threads_batch=self.threads,
                                    n_ctx=n_ctx, n_batch=512, verbose=False)
-        self.notes = {"gguf": self.path.name, "threads": self.threads, "n_ctx": n_ctx,
+        self.notes = {"gguf": self.path.name, "threads": self.threads, "n_ctx": n_ctx, "runs": "llama-cpp-python",
                       "llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
 
     def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
@@ -89,3 +120,95 @@ class LlamaCppSystem:
         if hasattr(self.llm, "close"):
             self.llm.close()
         self.llm = None
+
+
+class LlamaServerSystem:
+    """A native `llama-server` in its own process (its own default threading; no OMP_* variable of ours
+    reaches it), driven over HTTP on its `/completion` endpoint with token-id prompts, greedy, streamed."""
+
+    def __init__(self, spec: SystemSpec, model: str, binary: str, *, eos_token_ids: tuple[int, ...],
+                 n_ctx: int = 4096, startup_s: float = 600.0):
+        import httpx
+
+        self._httpx = httpx
+        self.label = spec.label
+        self.max_batch_size = 1
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.path = gguf_path(model)
+        extra = shlex.split(os.environ.get("LLAMA_SERVER_ARGS", ""))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [binary, "-m", str(self.path), "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(n_ctx),
+               *extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+        self.notes = {"gguf": self.path.name, "runs": "llama-server (native, own process)", "binary": binary,
+                      "args": extra, "threads": "llama.cpp's default", "n_ctx": n_ctx}
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise SpecfleetError(f"llama-server exited with {self.proc.returncode} at start: {self._tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise SpecfleetError(f"llama-server did not become ready in {startup_s:.0f} s: {self._tail()}")
+            time.sleep(0.2)
+
+    def _tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-2000:]
+
+    def _body(self, prompt_ids: list[int], n_predict: int, ignore_eos: bool, stream: bool) -> dict:
+        return {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
+                "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "ignore_eos": ignore_eos,
+                "stream": stream, "return_tokens": True}
+
+    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
+        if settings.temperature != 0:
+            raise SpecfleetError("the llama.cpp system is measured greedy only (temperature 0)")
+        return [self._one(ids, settings) for ids in prompts]
+
+    def _one(self, prompt_ids: list[int], settings: Settings) -> Generation:
+        out: list[int] = []
+        t0 = time.perf_counter()
+        ttft = None
+        body = self._body(prompt_ids, settings.max_tokens, settings.ignore_eos, True)
+        with self._httpx.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
+            if r.status_code != 200:
+                raise SpecfleetError(f"llama-server answered {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                toks = chunk.get("tokens") or []
+                if toks and ttft is None:
+                    ttft = time.perf_counter() - t0
+                out.extend(int(t) for t in toks)
+                if chunk.get("stop"):
+                    break
+        out = out[:settings.max_tokens]
+        return Generation(out, time.perf_counter() - t0, ttft, spec={"steps": len(out), "drafted": 0, "accepted": 0})
+
+    def prefill_seconds(self, prompt_ids: list[int]) -> float:
+        """Seconds the server reports for evaluating `prompt_ids` from an empty cache (its own prompt timing)."""
+        r = self._httpx.post(self.url + "/completion", json=self._body(prompt_ids, 1, True, False), timeout=3600)
+        if r.status_code != 200:
+            raise SpecfleetError(f"llama-server answered {r.status_code}: {r.text[:500]}")
+        return float(r.json()["timings"]["prompt_ms"]) / 1000.0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

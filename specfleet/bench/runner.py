@@ -292,7 +292,8 @@ def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
 def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num_prompts: int) -> None:
     hint = llamacpp.install_hint()
     if not any(s["system"] == spec.label for s in timed.skipped):
-        print(f"specfleet bench: skipping {spec.label}: llama-cpp-python is not installed; {hint}", file=sys.stderr)
+        print(f"specfleet bench: skipping {spec.label}: neither a llama-server (LLAMA_SERVER) nor llama-cpp-python; "
+              f"{hint}", file=sys.stderr)
     timed.skipped.append({"system": spec.label, "batch_size": None, "reason": f"not installed: {hint}"})
     bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
 
@@ -302,7 +303,7 @@ def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ..
 
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
     if spec.kind == "llamacpp":
-        return llamacpp.LlamaCppSystem(spec, cfg.model, eos_token_ids=eos)
+        return llamacpp.make_system(spec, cfg.model, eos_token_ids=eos)
     if spec.kind == "specfleet":
         quant = _quantization(spec, cfg)
         target, tokenizer = pool.get(_ours_key(cfg, quant), lambda: load_model(cfg.model, dtype, device,

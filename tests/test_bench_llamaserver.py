@@ -1,0 +1,95 @@
+"""The native llama-server benchmark system (bench/llamacpp.py LlamaServerSystem) against a stand-in server:
+the binary named by LLAMA_SERVER starts in its own process with none of our OMP/GOMP variables and with
+LLAMA_SERVER_ARGS, greedy token-id prompts go to /completion streamed, tokens and TTFT come back, prefill
+seconds are the server's own prompt timing, and the process is gone after close()."""
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from specfleet.bench import llamacpp
+from specfleet.bench.systems import Settings, SystemSpec
+
+FAKE = textwrap.dedent('''
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    with open(os.environ["FAKE_LLAMA_LOG"], "w") as f:
+        json.dump({"args": args, "omp": sorted(k for k in os.environ if k.startswith(("OMP_", "GOMP_")))}, f)
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["temperature"] == 0 and body["top_k"] == 1 and body["return_tokens"] and not body["cache_prompt"]
+            toks = [body["prompt"][-1] + 1 + i for i in range(body["n_predict"])]
+            if not body["ignore_eos"] and 7 in toks:
+                toks = toks[:toks.index(7) + 1]
+            self.send_response(200)
+            self.end_headers()
+            if not body["stream"]:
+                self.wfile.write(json.dumps({"tokens": toks, "timings": {"prompt_ms": 12.5}}).encode())
+                return
+            for i, t in enumerate(toks):
+                last = i == len(toks) - 1
+                self.wfile.write(("data: " + json.dumps({"tokens": [t], "stop": last}) + "\\n\\n").encode())
+                self.wfile.flush()
+
+    HTTPServer(("127.0.0.1", port), H).serve_forever()
+''')
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n" + FAKE)
+    script.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    log = tmp_path / "seen.json"
+    monkeypatch.setenv("LLAMA_SERVER", str(script))
+    monkeypatch.setenv("LLAMA_SERVER_ARGS", "--no-repack")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # ours: must not reach the peer
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    return gguf, log
+
+
+def test_the_native_server_runs_in_its_own_process_greedy_with_its_own_threading(fake_server):
+    gguf, log = fake_server
+    assert llamacpp.available() and llamacpp.native_server() is not None
+    system = llamacpp.make_system(SystemSpec("llamacpp", "llamacpp"), str(gguf), eos_token_ids=(7,))
+    try:
+        assert isinstance(system, llamacpp.LlamaServerSystem)
+        seen = json.loads(log.read_text())
+        assert seen["omp"] == [] and "--no-repack" in seen["args"] and str(gguf) in seen["args"]
+        assert system.notes["args"] == ["--no-repack"] and "native" in system.notes["runs"]
+        gen = system.generate([[1, 2, 3]], Settings(max_tokens=5, ignore_eos=True))[0]
+        assert gen.output_ids == [4, 5, 6, 7, 8] and gen.ttft_s is not None and gen.latency_s >= gen.ttft_s
+        stopped = system.generate([[1, 2, 3]], Settings(max_tokens=5, ignore_eos=False))[0]
+        assert stopped.output_ids == [4, 5, 6, 7]  # the eos token ends it
+        assert system.prefill_seconds([1, 2, 3]) == pytest.approx(0.0125)
+        with pytest.raises(Exception, match="greedy only"):
+            system.generate([[1]], Settings(max_tokens=2, temperature=0.7))
+    finally:
+        system.close()
+    assert system.proc.poll() is not None
+
+
+def test_a_server_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
+    script = tmp_path / "llama-server"
+    script.write_text("#!/bin/sh\necho 'error: unknown argument' >&2\nexit 3\n")
+    script.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("LLAMA_SERVER", str(script))
+    with pytest.raises(Exception, match="exited with 3.*unknown argument"):
+        llamacpp.make_system(SystemSpec("llamacpp", "llamacpp"), str(gguf), eos_token_ids=(7,))
