@@ -34,20 +34,41 @@ def pair(request):
     return _on_cuda(target, request.param), _on_cuda(draft, request.param)
 
 
-def _engine(model, proposer=None, batch=8, budget=512):
+def _engine(model, proposer=None, batch=8, budget=512, device=CUDA):
     cache = CacheConfig(16, 32 << 20)
     return Engine(model, None, EngineConfig(cache, SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
-                                                                   mixed_step_factor=None)), proposer, CUDA)
+                                                                   mixed_step_factor=None)), proposer, device)
 
 
-def _proposer(kind, draft):
+def _proposer(kind, draft, device=CUDA):
     small = 4 << 20
     if kind == "draft-chain":
-        return DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small), device=CUDA)
+        return DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small), device=device)
     if kind == "draft-tree":
         return DraftModelProposer(draft, "draft", DraftModelConfig(4, top_children=3, max_nodes=20,
-                                                                   kv_cache_bytes=small), device=CUDA)
+                                                                   kv_cache_bytes=small), device=device)
     return PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3))
+
+
+def graphs_against_eager(target, draft, kind, batch, device=CUDA):
+    """The same prompts with RuntimeConfig.cuda_graphs off and on (on copies of the models): the tokens must
+    be the eager steps' and every verified row its decode step's. Returns the engine that ran with graphs."""
+    import copy
+    import dataclasses
+
+    def with_graphs(model, on):
+        return copy.deepcopy(model).set_runtime(dataclasses.replace(model.runtime, cuda_graphs=on))
+
+    prompts = repetitive_prompts(LENGTHS[batch])
+    plain = _engine(with_graphs(target, False), device=device)
+    eager = run_to_completion(plain, prompts, GREEDY)
+    assert plain.runner.graphs is None  # the baseline really launched every step
+    proposer = None if kind is None else _proposer(kind, with_graphs(draft, True), device)
+    eng = _engine(with_graphs(target, True), proposer, budget=32 if kind else 512, device=device)
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert report.rows_differing == 0, report.as_dict()
+    return eng, prompts
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -169,16 +190,5 @@ def test_real_model_rows_equal_their_decode_steps_on_cuda(real_model, draft):
 def test_step_graphs_replay_the_eager_steps_bits_on_cuda(pair, kind, batch):
     """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification replay captured CUDA graphs
     (runtime/cuda_graphs.py); the tokens are the eager steps' and every verified row equals its decode step."""
-    import copy
-    import dataclasses
-
-    target, draft = pair
-    prompts = repetitive_prompts(LENGTHS[batch])
-    eager = run_to_completion(_engine(target), prompts, GREEDY)
-    on = dataclasses.replace(target.runtime, cuda_graphs=True)
-    tgt, drf = copy.deepcopy(target).set_runtime(on), copy.deepcopy(draft).set_runtime(on)
-    eng = _engine(tgt, None if kind is None else _proposer(kind, drf), budget=32 if kind else 512)
-    outs, report = check_engine_run(eng, prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    assert report.rows_differing == 0, report.as_dict()
+    eng, prompts = graphs_against_eager(*pair, kind, batch)
     assert eng.runner.graphs.replays > len(prompts) and all(s.graph is not None for s in eng.runner.graphs._shapes.values())

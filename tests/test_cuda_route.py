@@ -11,14 +11,13 @@ step asks for, so a regression fails here and not first on a lent GPU:
   device set to `meta`, so a tensor made without naming its device (the `torch.arange(c)` concatenated with
   a CUDA tensor that once broke tree verification on GPUs) fails the step.
 """
-import copy
 
 import pytest
 import torch
 
 from cuda_route import route_cuda_on_cpu
 from specfleet.bench.rowcheck import check_engine_run
-from test_cuda import _engine, _proposer
+from test_cuda import _engine, _proposer, graphs_against_eager
 from test_dispatch_counts import _step_counts
 from test_spec_greedy import LENGTHS, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
@@ -54,25 +53,11 @@ def pair():
 
 
 def _cpu_engine(model, proposer=None, budget=512):
-    import test_cuda
-
-    old = test_cuda.CUDA
-    test_cuda.CUDA = CPU  # the same engines test_cuda builds, on the CPU
-    try:
-        return _engine(model, proposer, batch=8, budget=budget)
-    finally:
-        test_cuda.CUDA = old
+    return _engine(model, proposer, budget=budget, device=CPU)  # the engines test_cuda builds, on the CPU
 
 
 def _cpu_proposer(kind, draft):
-    import test_cuda
-
-    old = test_cuda.CUDA
-    test_cuda.CUDA = CPU
-    try:
-        return _proposer(kind, draft)
-    finally:
-        test_cuda.CUDA = old
+    return _proposer(kind, draft, CPU)
 
 
 @pytest.mark.parametrize("kind", ["draft-tree", "lookup-tree", "draft-chain"])
@@ -120,17 +105,7 @@ def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, ba
     runtime/cuda_graphs.py's padded static buffers (captured on a GPU; run eagerly here, which checks the
     padding, the static plan and the row layout): the same tokens as the eager route, every verified row
     equal to its decode step, and the padded path really taken."""
-    import dataclasses
-
-    target, draft = pair
-    prompts = repetitive_prompts(LENGTHS[batch])
-    eager = run_to_completion(_cpu_engine(target), prompts, GREEDY)
-    on = dataclasses.replace(target.runtime, cuda_graphs=True)
-    tgt, drf = copy.deepcopy(target).set_runtime(on), copy.deepcopy(draft).set_runtime(on)
-    eng = _cpu_engine(tgt, None if kind is None else _cpu_proposer(kind, drf), budget=32 if kind else 512)
-    outs, report = check_engine_run(eng, prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    assert report.rows_differing == 0, report.as_dict()
+    eng, prompts = graphs_against_eager(*pair, kind, batch, device=CPU)
     if kind != "draft-tree":  # (a tree's verification runs eagerly)
         assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
     if kind == "draft-chain":  # its verification steps and the draft model's chain steps too

@@ -74,14 +74,24 @@ def gguf_path(model: str) -> Path:
     return path
 
 
-class LlamaCppSystem:
+class _Greedy:
+    """What both llama.cpp systems share: greedy, one request at a time (`_one`)."""
+
+    max_batch_size = 1
+
+    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
+        if settings.temperature != 0:
+            raise SpecfleetError("the llama.cpp system is measured greedy only (temperature 0)")
+        return [self._one(ids, settings) for ids in prompts]
+
+
+class LlamaCppSystem(_Greedy):
     def __init__(self, spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...], n_ctx: int = 4096,
                  threads: int | None = None):
         from specfleet.extras import require
 
         llama_cpp = require("llama_cpp", "llamacpp", "the llama.cpp benchmark system")
-        self.label = spec.label
-        self.max_batch_size = 1  # the binding's high-level API decodes one sequence
+        self.label = spec.label  # (one sequence at a time: the binding's high-level API decodes one)
         self.eos_token_ids = tuple(eos_token_ids)
         self.threads = threads or torch.get_num_threads()
         self.path = gguf_path(model)
@@ -89,11 +99,6 @@ class LlamaCppSystem:
                                    n_ctx=n_ctx, n_batch=512, verbose=False)
         self.notes = {"gguf": self.path.name, "threads": self.threads, "n_ctx": n_ctx, "runs": "llama-cpp-python",
                       "llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
-
-    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
-        if settings.temperature != 0:
-            raise SpecfleetError("the llama.cpp system is measured greedy only (temperature 0)")
-        return [self._one(ids, settings) for ids in prompts]
 
     def _one(self, prompt_ids: list[int], settings: Settings) -> Generation:
         out: list[int] = []
@@ -122,7 +127,7 @@ class LlamaCppSystem:
         self.llm = None
 
 
-class LlamaServerSystem:
+class LlamaServerSystem(_Greedy):
     """A native `llama-server` in its own process (its own default threading; no OMP_* variable of ours
     reaches it), driven over HTTP on its `/completion` endpoint with token-id prompts, greedy, streamed."""
 
@@ -132,7 +137,6 @@ class LlamaServerSystem:
 
         self._httpx = httpx
         self.label = spec.label
-        self.max_batch_size = 1
         self.eos_token_ids = tuple(eos_token_ids)
         self.path = gguf_path(model)
         extra = shlex.split(os.environ.get("LLAMA_SERVER_ARGS", ""))
@@ -169,11 +173,6 @@ class LlamaServerSystem:
         return {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
                 "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "ignore_eos": ignore_eos,
                 "stream": stream, "return_tokens": True}
-
-    def generate(self, prompts: list[list[int]], settings: Settings) -> list[Generation]:
-        if settings.temperature != 0:
-            raise SpecfleetError("the llama.cpp system is measured greedy only (temperature 0)")
-        return [self._one(ids, settings) for ids in prompts]
 
     def _one(self, prompt_ids: list[int], settings: Settings) -> Generation:
         out: list[int] = []

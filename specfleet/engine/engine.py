@@ -216,8 +216,8 @@ class Engine:
             self._draft_failed(ready, "propose", e)
             return
         finally:
-            self._drafted_at, self._draft_s = time.perf_counter(), time.perf_counter() - t0
-            self._verify_at = self.stats.verify_time
+            now = time.perf_counter()
+            self._drafted_at, self._draft_s, self._verify_at = now, now - t0, self.stats.verify_time
         dt = self._draft_s
         self.stats.draft_time += dt
         for r in ready:

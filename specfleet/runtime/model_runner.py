@@ -79,7 +79,7 @@ class ModelRunner:
     @property
     def _cuda(self) -> bool:
         """Whether this step goes through the CUDA kernels (and so the pinned copy and the key plan)."""
-        return self._cuda_kernels and getattr(self.model, "runtime", None) is not None and self.model.runtime.cuda_kernels
+        return self._cuda_kernels and self.model.runtime.cuda_kernels
 
     def _request_kv(self, block_ids: list[int], length: int) -> tuple[slice | torch.Tensor, np.ndarray | None]:
         """The cache rows of a request's first `length` tokens: a slice (a view, nothing copied) when
@@ -182,8 +182,8 @@ class ModelRunner:
                 host_context = host[:, :c].copy()
                 context_mask = torch.from_numpy(host_context).to(self.device, non_blocking=True)
             host = host[:, c:]
-        host = np.ascontiguousarray(host)
-        return SeqAttention(n, c, kv, torch.from_numpy(host.copy()).to(self.device, non_blocking=True), context_mask,
+        host = np.ascontiguousarray(host)  # read-only from here: the CPU tensor may share its memory
+        return SeqAttention(n, c, kv, torch.from_numpy(host).to(self.device, non_blocking=True), context_mask,
                             host_mask=host, host_context_mask=host_context, host_rows=host_rows)
 
     def commit_path(self, blocks: BlockManager, request_id: str, base: int, path: list[int]) -> None:
