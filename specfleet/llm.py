@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.errors import InvalidRequestError
+from specfleet.errors import InvalidRequestError, ModelLoadError
+from specfleet.models.registry import lookup
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.build import parse_device, parse_dtype
 from specfleet.runtime.load import load_model
@@ -45,8 +46,11 @@ DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup)", "cuda": "qwen2.5-coder-0.
 
 def default_draft(model: str, device) -> str | None:
     """The draft `LLM()` (and the CLI's / server's `--draft default`) uses: the per-device default for the
-    default model, none for any other model."""
-    if model != DEFAULT_MODEL:
+    default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model."""
+    try:
+        if lookup(str(model)).name != DEFAULT_MODEL:
+            return None
+    except ModelLoadError:  # a path or an unregistered name
         return None
     return DEFAULT_DRAFT.get(getattr(device, "type", str(device)).split(":")[0], DEFAULT_DRAFT["cuda"])
 _USE_DEFAULT = object()
