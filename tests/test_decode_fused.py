@@ -137,6 +137,28 @@ def test_native_attention_matches_float64(length, heads, kv_heads, d):
         torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [40, 64, 300])
+def test_native_attention_bits_do_not_depend_on_the_thread_count(length):
+    """Attention forks threads from about 43 keys of the 1.5B's shape: each (row, KV head) is one thread's whole
+    work, so one thread and two give the same bits (the control: a changed key changes them)."""
+    g = torch.Generator().manual_seed(length)
+    k, v = torch.randn(length + 3, 2, 128, generator=g), torch.randn(length + 3, 2, 128, generator=g)
+    q = torch.randn(2, 12, 128, generator=g)
+    batch = _one_batch(SeqAttention(1, length - 1, slice(0, length)), SeqAttention(1, length + 2, slice(0, length + 3)))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            outs.append(native_attend(lib(), q, k, v, batch, 128 ** -0.5))
+        k[length // 2, 1] += 1e-3
+        changed = native_attend(lib(), q, k, v, batch, 128 ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert not torch.equal(changed[:, 6:], outs[0][:, 6:]) and torch.equal(changed[:, :6], outs[0][:, :6])
+
+
 def test_key_plan_lists_each_rows_keys():
     """The module docstring's worked example, a hidden context and a fragmented block table."""
     tree = SeqAttention(3, 3, slice(10, 16), tree_mask([-1, 0, 0]))

@@ -85,6 +85,48 @@ def test_fused_products_give_the_avx2_bits(path):
     assert torch.equal(plain[0], plain[1])
 
 
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (14, 2, 64), (4, 4, 32), (7, 1, 96)])
+def test_attention_gives_the_avx2_bits(path, heads, kv_heads, d):
+    """Attention (scores, softmax, the weighted sum of values) in wider registers: every length around the 8- and
+    16-key chunks, an odd number of query heads per KV head, head sizes that are and are not multiples of 64,
+    rows over a prefix and a tree row over gathered keys."""
+    from specfleet.runtime.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.step_plan import native_attend
+
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    g = torch.Generator().manual_seed(heads * d)
+    for length in (1, 7, 8, 9, 15, 16, 17, 24, 25, 70, 300):
+        k = torch.randn(length + 3, kv_heads, d, generator=g)
+        v = torch.randn(length + 3, kv_heads, d, generator=g)
+        q = torch.randn(6, heads, d, generator=g) * 3
+        tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)  # row 2 skips row 1: gathered keys
+        seqs = [SeqAttention(1, length - 1, slice(0, length)), SeqAttention(2, length + 1, slice(0, length + 3)),
+                SeqAttention(3, length, slice(0, length + 3), new_mask=torch.from_numpy(tree), host_mask=tree)]
+        batch = AttentionBatch(torch.zeros(6, dtype=torch.long), seqs)
+        outs = [native_attend(lib, q, k, v, batch, d ** -0.5) for lib in (fast, base)]
+        assert torch.equal(outs[0], outs[1]), f"{path} length={length}"
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("d", [128, 64, 32, 12])
+def test_rotary_gives_the_avx2_bits(path, d):
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    heads, kv_heads, t = 6, 2, 5
+    torch.manual_seed(d)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.randn(64, d), torch.randn(64, d)
+    pos, slots = torch.tensor([3, 7, 8, 20, 63]), torch.tensor([9, 0, 4, 5, 11])
+    res = []
+    for lib in (fast, base):
+        q, kc, vc = torch.empty(t, heads, d), torch.zeros(12, kv_heads, d), torch.zeros(12, kv_heads, d)
+        lib.specfleet_rope_kv(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, d, pos.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr())
+        res.append((q, kc, vc))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
 def test_control_a_changed_weight_changes_the_bits():
     """The comparison above can fail: one weight block changed in one row changes that row's output."""
     base = _lib_or_skip("avx2")

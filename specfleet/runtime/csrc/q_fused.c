@@ -29,7 +29,8 @@
 #define FQUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread */
 #define MAX_PARTS 8
 #ifndef ATTEND_PAR_WORK
-#define ATTEND_PAR_WORK (1 << 20) /* multiply-adds from which attention forks threads */
+#define ATTEND_PAR_WORK (1 << 16) /* multiply-adds from which attention forks threads (about 43 keys of the
+                                     * 1.5B: bench_attention.py has two threads faster from 64 keys on) */
 #endif
 
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
@@ -63,6 +64,30 @@ ALWAYS_INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+#ifdef SF_VNNI512
+/* exp8's instruction sequence on 16 lanes: each lane's bits are exp8's for that value */
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+ALWAYS_INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+ALWAYS_INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+/* 8 floats at p (any alignment) in both halves */
+ALWAYS_INLINE __m512 both_f8(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p))); }
+#endif
+
 /* the same for a tail of t < 8 values (the lanes past t are computed from zeros and dropped) */
 static void exp_tail(const float *x, int64_t t, float *out) {
     float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -73,18 +98,35 @@ static void exp_tail(const float *x, int64_t t, float *out) {
 
 /* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): sums of squares in 32 lanes, added in a fixed order */
 static void rmsnorm_row(const float *x, int64_t K, const float *w, float eps, float *out) {
-    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t i = 0;
+#ifdef SF_VNNI512
+    /* s01 holds the AVX2 path's s[0] and s[1] side by side, s23 s[2] and s[3]: the same lanes, the same sums */
+    __m512 s01 = _mm512_setzero_ps(), s23 = _mm512_setzero_ps();
+    for (; i + 32 <= K; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        s01 = _mm512_fmadd_ps(a, a, s01);
+        s23 = _mm512_fmadd_ps(b, b, s23);
+    }
+    float ss = hsum8(_mm256_add_ps(_mm256_add_ps(lo8(s01), hi8(s01)), _mm256_add_ps(lo8(s23), hi8(s23))));
+#else
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (; i + 32 <= K; i += 32)
         for (int j = 0; j < 4; j++) {
             const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
             s[j] = _mm256_fmadd_ps(v, v, s[j]);
         }
     float ss = hsum8(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
+#endif
     for (; i < K; i++) ss += x[i] * x[i];
     const float r = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_sqrt_ss(_mm_set_ss(ss / (float)K + eps))));
+    i = 0;
+#ifdef SF_VNNI512
+    const __m512 rw = _mm512_set1_ps(r);
+    for (; i + 16 <= K; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), rw)));
+#endif
     const __m256 rv = _mm256_set1_ps(r);
-    for (i = 0; i + 8 <= K; i += 8)
+    for (; i + 8 <= K; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
     for (; i < K; i++) out[i] = w[i] * (x[i] * r);
 }
@@ -93,6 +135,13 @@ static void rmsnorm_row(const float *x, int64_t K, const float *w, float eps, fl
 static void silu_mul_row(const float *g, const float *u, int64_t K, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     int64_t i = 0;
+#ifdef SF_VNNI512
+    for (; i + 16 <= K; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32((int)0x80000000))));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_loadu_ps(u + i)));
+    }
+#endif
     for (; i + 8 <= K; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
         const __m256 e = exp8(_mm256_xor_ps(gv, neg));
@@ -195,6 +244,19 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
  * in runtime/model.py (a product each, then the sum; no fused multiply-add), so it equals torch's. */
 static void rope_head(const float *x, const float *c, const float *s, int64_t D, float *out) {
     const int64_t half = D / 2;
+#ifdef SF_VNNI512
+    if (half % 16 == 0) { /* rope_head's lanes, 16 at a time */
+        const __m512i neg = _mm512_set1_epi32((int)0x80000000);
+        for (int64_t d = 0; d < half; d += 16) {
+            const __m512 a = _mm512_loadu_ps(x + d), b = _mm512_loadu_ps(x + half + d);
+            const __m512 nb = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b), neg));
+            _mm512_storeu_ps(out + d, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)), _mm512_mul_ps(nb, _mm512_loadu_ps(s + d))));
+            _mm512_storeu_ps(out + half + d, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + d)),
+                                                           _mm512_mul_ps(a, _mm512_loadu_ps(s + half + d))));
+        }
+        return;
+    }
+#endif
     if (half % 8 == 0) {
         const __m256 neg = _mm256_set1_ps(-0.0f);
         for (int64_t d = 0; d < half; d += 8) {
@@ -241,6 +303,9 @@ ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
 
 #define AMAX_G 16 /* query heads per KV head handled together */
 #define MAX_D 512 /* head sizes up to this */
+#ifndef VCHUNK
+#define VCHUNK 64 /* keys whose values the weighted sum takes at a time */
+#endif
 
 /* The G query heads q[a * D] (a < G) sharing one KV head, over L keys: key j is the cache row krow[j],
  * read at k + krow[j] * ldk (values likewise). out[a * D] = softmax(scale * q_a.k) weighted sum of v.
@@ -251,6 +316,39 @@ ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
 static void attend_group(const float *q, int64_t G, const float *k, const float *v, int64_t ldk,
                          const int64_t *krow, int64_t L, int64_t D, float scale, float *sc, int64_t L8, float *out) {
     static const float zero[MAX_D] = {0};
+#ifdef SF_VNNI512
+    /* Query heads two at a time, head a in a 512-bit register's low half and a + 1 in its high half (an odd
+     * last head shares a register with itself), each key's 8 values broadcast into both halves: every half
+     * runs the AVX2 path's fused multiply-adds on the same lanes in the same order, 8 keys in 8 registers. */
+    _Alignas(64) float qp[AMAX_G * MAX_D];
+    for (int64_t a = 0; a < G; a += 2) {
+        const float *q0 = q + a * D, *q1 = q + (a + 1 < G ? a + 1 : a) * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            memcpy(qp + a * D + 2 * d, q0 + d, 8 * sizeof(float));
+            memcpy(qp + a * D + 2 * d + 8, q1 + d, 8 * sizeof(float));
+        }
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += 8) {
+        const float *kr[8];
+        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + krow[j0 + u] * ldk : zero;
+        for (int64_t a = 0; a < G; a += 2) {
+            const float *qa = qp + a * D;
+            __m512 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m512 qv = _mm512_load_ps(qa + 2 * d);
+                for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qv, both_f8(kr[u] + d), acc[u]);
+            }
+            __m256 half[8];
+            for (int u = 0; u < 8; u++) half[u] = lo8(acc[u]);
+            _mm256_storeu_ps(sc + a * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+            if (a + 1 < G) {
+                for (int u = 0; u < 8; u++) half[u] = hi8(acc[u]);
+                _mm256_storeu_ps(sc + (a + 1) * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+            }
+        }
+    }
+#else
     for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const float *kr[8];
         for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + krow[j0 + u] * ldk : zero;
@@ -265,6 +363,7 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
             _mm256_storeu_ps(sc + a * L8 + j0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
         }
     }
+#endif
     for (int64_t a = 0; a < G; a++) {
         float *s = sc + a * L8;
         float mx = s[0];
@@ -272,7 +371,20 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
         const __m256 mv = _mm256_set1_ps(mx);
         __m256 sv = _mm256_setzero_ps();
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (int64_t j = 0; j < L; j += 8) {
+        int64_t j = 0;
+#ifdef SF_VNNI512
+        /* two 8-key chunks at a time while both hold keys; their exps are exp8's, added to sv one chunk after
+         * the other as below */
+        const __m512i lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (; j + 8 < L; j += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+            e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)(L - j)), lane16), e);
+            _mm512_storeu_ps(s + j, e);
+            sv = _mm256_add_ps(sv, lo8(e));
+            sv = _mm256_add_ps(sv, hi8(e));
+        }
+#endif
+        for (; j < L; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
             const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - j)), lane));
             e = _mm256_and_ps(e, live); /* keys past L weigh nothing */
@@ -282,27 +394,76 @@ static void attend_group(const float *q, int64_t G, const float *k, const float 
         const float inv = 1.0f / hsum8(sv);
         for (int64_t j = 0; j < L8; j++) s[j] *= inv;
     }
-    /* out_a = sum_j p_a[j] v_j: 32 values of D at a time for two heads at a time (8 accumulators) */
-    for (int64_t a = 0; a < G; a += 2) {
-        const int two = a + 1 < G;
-        const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
-        for (int64_t d = 0; d < D; d += 32) {
-            __m256 x0[4], x1[4];
-            for (int u = 0; u < 4; u++) x0[u] = x1[u] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < L; j++) {
-                const float *vr = v + krow[j] * ldk + d;
-                const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
-                for (int u = 0; u < 4; u++) {
-                    const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
-                    x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
-                    x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+    /* out_a = sum_j p_a[j] v_j, keys in chunks of VCHUNK (whose values stay in L1 while every head and every
+     * part of D passes over them), the sums carried in out from one chunk to the next: each output lane is
+     * the same chain of fused multiply-adds in key order as one pass over all keys would make. */
+    for (int64_t j0 = 0; j0 < L; j0 += VCHUNK) {
+        const int64_t j1 = j0 + VCHUNK < L ? j0 + VCHUNK : L;
+#ifdef SF_VNNI512
+        /* the AVX2 loop below with 16 lanes per register: 64 values of D (or 32) for two heads */
+        for (int64_t a = 0; a < G; a += 2) {
+            const int two = a + 1 < G;
+            const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
+            const int nv = D % 64 == 0 ? 4 : 2;
+            for (int64_t d = 0; d < D; d += 16 * nv) {
+                __m512 x0[4], x1[4];
+                for (int u = 0; u < nv; u++) {
+                    x0[u] = j0 ? _mm512_loadu_ps(out + a * D + d + 16 * u) : _mm512_setzero_ps();
+                    x1[u] = j0 && two ? _mm512_loadu_ps(out + (a + 1) * D + d + 16 * u) : _mm512_setzero_ps();
+                }
+                if (nv == 4)
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float *vr = v + krow[j] * ldk + d;
+                        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+                        for (int u = 0; u < 4; u++) {
+                            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+                            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+                            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+                        }
+                    }
+                else
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float *vr = v + krow[j] * ldk + d;
+                        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+                        for (int u = 0; u < 2; u++) {
+                            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+                            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+                            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+                        }
+                    }
+                for (int u = 0; u < nv; u++) {
+                    _mm512_storeu_ps(out + a * D + d + 16 * u, x0[u]);
+                    if (two) _mm512_storeu_ps(out + (a + 1) * D + d + 16 * u, x1[u]);
                 }
             }
-            for (int u = 0; u < 4; u++) {
-                _mm256_storeu_ps(out + a * D + d + 8 * u, x0[u]);
-                if (two) _mm256_storeu_ps(out + (a + 1) * D + d + 8 * u, x1[u]);
+        }
+#else
+        /* 32 values of D at a time for two heads at a time (8 accumulators) */
+        for (int64_t a = 0; a < G; a += 2) {
+            const int two = a + 1 < G;
+            const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
+            for (int64_t d = 0; d < D; d += 32) {
+                __m256 x0[4], x1[4];
+                for (int u = 0; u < 4; u++) {
+                    x0[u] = j0 ? _mm256_loadu_ps(out + a * D + d + 8 * u) : _mm256_setzero_ps();
+                    x1[u] = j0 && two ? _mm256_loadu_ps(out + (a + 1) * D + d + 8 * u) : _mm256_setzero_ps();
+                }
+                for (int64_t j = j0; j < j1; j++) {
+                    const float *vr = v + krow[j] * ldk + d;
+                    const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+                    for (int u = 0; u < 4; u++) {
+                        const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
+                        x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
+                        x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+                    }
+                }
+                for (int u = 0; u < 4; u++) {
+                    _mm256_storeu_ps(out + a * D + d + 8 * u, x0[u]);
+                    if (two) _mm256_storeu_ps(out + (a + 1) * D + d + 8 * u, x1[u]);
+                }
             }
         }
+#endif
     }
 }
 
