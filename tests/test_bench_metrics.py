@@ -181,6 +181,35 @@ def test_checks_and_markdown():
     assert "10.0 GB/s" in md and "at most 5.00 tok/s" in md and "| spec | 1 | 3.000 |" in md
 
 
+def test_micro_figures_and_value_checks():
+    """The gguf preset's issue-29 checks: prefill as a ratio of two systems' micro medians, c(k) as a value that
+    must stay at most a target (a failing one fails)."""
+    from specfleet.bench.presets import Check
+
+    part = {"name": "g", "summaries": [], "systems": [
+        {"label": "specfleet:none", "micro": [{"prefill_128_tok_s": 100.0, "c(2)": 1.2, "c(4)": 1.7},
+                                              {"prefill_128_tok_s": 120.0, "c(2)": 1.3, "c(4)": 1.5},
+                                              {"prefill_128_tok_s": 110.0, "c(2)": 1.1, "c(4)": 1.9}]},
+        {"label": "llamacpp", "micro": [{"prefill_128_tok_s": 100.0}, {"prefill_128_tok_s": 100.0}]}]}
+    nat = ("specfleet:none", 1)
+    preset = PRESETS["spec"].__class__("x", "desc", (), (
+        Check("prefill", "g", nat, ("llamacpp", 1), "micro:prefill_128_tok_s", 0.9),
+        Check("c2", "g", nat, nat, "micro:c(2)", 0.0, at_most=1.25),
+        Check("c4", "g", nat, nat, "micro:c(4)", 0.0, at_most=1.6),
+        Check("c8", "g", nat, nat, "micro:c(8)", 0.0, at_most=3.0)))
+    prefill, c2, c4, c8 = evaluate_checks(preset, [part])
+    assert prefill["ratio"] == 1.1 and prefill["passed"] is True
+    assert c2["value"] == 1.2 and c2["passed"] is True
+    assert c4["value"] == 1.7 and c4["passed"] is False
+    assert c8["value"] is None and c8["passed"] is None
+    md = "\n".join(render_markdown({"description": "d", "bandwidth_bytes_s": {}, "checks": [c2, c4], "parts": []},
+                                   {}).splitlines())
+    assert "**PASS** c2: 1.20 (target <= 1.25)" in md and "**FAIL** c4: 1.70 (target <= 1.6)" in md
+    gguf = {c.label: c for c in PRESETS["gguf"].checks}
+    assert sum(c.metric == "decode_throughput_tok_s" and c.min_ratio == 1.0 for c in gguf.values()) == 4
+    assert gguf["1.5B verification cost c(4) <= 1.6"].at_most == 1.6
+
+
 def test_overrides_that_no_part_can_run_fail_before_anything_runs():
     """--systems applies to every part: llama.cpp (greedy only) in a sampled part is refused up front, not
     after the greedy parts have run for half an hour."""

@@ -50,7 +50,9 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Check:
-    """A claim: metric(system a at batch a) / metric(system b at batch b) >= min_ratio, in one part."""
+    """A claim: metric(system a at batch a) / metric(system b at batch b) >= min_ratio, in one part; with
+    `at_most`, a value instead: metric(system a) <= at_most (b unused). A metric "micro:<name>" is the median
+    over rounds of the system's bench/gguf_micro.py figure (prefill_128_tok_s, c(2), ...)."""
 
     label: str
     part: str
@@ -58,6 +60,7 @@ class Check:
     b: tuple[str, int]
     metric: str
     min_ratio: float
+    at_most: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,21 @@ def _gguf_part(name: str, model: str, dataset: str) -> RunConfig:
                      rowcheck_prompts=2)
 
 
-def _gguf_checks(part: str, size: str, target: float) -> tuple[Check, ...]:
-    return (Check(f"{size} decode tok/s: specfleet native >= {target}x llama.cpp", part, ("specfleet:none", 1),
-                  ("llamacpp", 1), "decode_throughput_tok_s", target),
-            Check(f"{size} decode tok/s: native vs dense bf16 (reported)", part, ("specfleet:none", 1),
-                  ("specfleet:none,quantization=none", 1), "decode_throughput_tok_s", 0.0))
+def _gguf_checks(part: str, size: str, target: float, micro: bool = False) -> tuple[Check, ...]:
+    """Issue 29's targets: native plain decode >= 1.0x llama.cpp on every part; where the part measures
+    them, prefill >= 0.9x llama.cpp and (the 1.5B) c(2) <= 1.25, c(4) <= 1.6."""
+    nat = ("specfleet:none", 1)
+    checks = (Check(f"{size} {part.split('-')[0]} decode tok/s: specfleet native >= {target}x llama.cpp", part, nat,
+                    ("llamacpp", 1), "decode_throughput_tok_s", target),
+              Check(f"{size} decode tok/s: native vs dense bf16 (reported)", part, nat,
+                    ("specfleet:none,quantization=none", 1), "decode_throughput_tok_s", 0.0))
+    if micro:
+        checks += (Check(f"{size} prefill (128 tokens): specfleet native >= 0.9x llama.cpp", part, nat, ("llamacpp", 1),
+                         "micro:prefill_128_tok_s", 0.9),)
+    if micro and size == "1.5B":
+        checks += (Check("1.5B verification cost c(2) <= 1.25", part, nat, nat, "micro:c(2)", 0.0, at_most=1.25),
+                   Check("1.5B verification cost c(4) <= 1.6", part, nat, nat, "micro:c(4)", 0.0, at_most=1.6))
+    return checks
 
 
 # issue 15: the default fleet (the CPU default draft of LLM()) against each single draft and plain decoding,
@@ -261,12 +274,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                              "bf16 kernel) on 2 CPU cores (--parts humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),
     Preset("gguf", "issue 14: the GGUF files run as they are (native kernels, fp32 activations) against the same "
-           "file dequantized to bf16 and llama.cpp (llama-cpp-python, 2 threads) on it: 4 HumanEval prompts and 4 "
+           "file dequantized to bf16 and llama.cpp on it (a native llama-server in its own process where LLAMA_SERVER "
+           "or PATH has one, else llama-cpp-python): 4 HumanEval prompts and 4 "
            "ShareGPT first turns, 32 greedy tokens, batch 1, for the 1.5B and the 0.5B; HumanEval parts add prefill "
            "tok/s at 128/512 tokens, c(k) for k=1..8 and resident memory",
            (_gguf_part("humaneval-1.5b", QWEN_15B, "humaneval"), _gguf_part("sharegpt-1.5b", QWEN_15B, "sharegpt"),
             _gguf_part("humaneval-0.5b", QWEN_05B, "humaneval"), _gguf_part("sharegpt-0.5b", QWEN_05B, "sharegpt")),
-           _gguf_checks("humaneval-1.5b", "1.5B", 0.9) + _gguf_checks("humaneval-0.5b", "0.5B", 0.9),
+           _gguf_checks("humaneval-1.5b", "1.5B", 1.0, micro=True) + _gguf_checks("sharegpt-1.5b", "1.5B", 1.0)
+           + _gguf_checks("humaneval-0.5b", "0.5B", 1.0, micro=True) + _gguf_checks("sharegpt-0.5b", "0.5B", 1.0),
            expected_duration="about 15-20 minutes on 2 CPU cores (--parts humaneval-1.5b for one part; "
                              "--rounds 2 to cancel drift)"),
     Preset("fleet", "issue 15: the default fleet (the CPU default draft) against native plain decoding, each single "

@@ -50,6 +50,12 @@ def _checks(checks: list[dict]) -> list[str]:
         return []
     lines = ["## Checks", ""]
     for c in checks:
+        verdict = {True: "PASS", False: "FAIL", None: "info"}[c["passed"]]
+        if c.get("at_most") is not None:
+            value = "not measured" if c.get("value") is None else f"{c['value']:.2f}"
+            lines.append(f"- **{verdict}** {c['label']}: {value} (target <= {c['at_most']}) "
+                         f"[{c['metric']}: {c['a'][0]}, part {c['part']}]")
+            continue
         ratio = "not measured" if c["ratio"] is None else f"{c['ratio']:.2f}x"
         verdict = {True: "PASS", False: "FAIL", None: "info"}[c["passed"]]
         target = f" (target >= {c['min_ratio']}x)" if c["min_ratio"] > 0 else ""
