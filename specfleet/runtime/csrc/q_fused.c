@@ -303,167 +303,191 @@ ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
 
 #define AMAX_G 16 /* query heads per KV head handled together */
 #define MAX_D 512 /* head sizes up to this */
+#define MAX_GROUP 8 /* rows of one request whose attention shares key loads */
 #ifndef VCHUNK
 #define VCHUNK 64 /* keys whose values the weighted sum takes at a time */
 #endif
 
-/* The G query heads q[a * D] (a < G) sharing one KV head, over L keys: key j is the cache row krow[j],
- * read at k + krow[j] * ldk (values likewise). out[a * D] = softmax(scale * q_a.k) weighted sum of v.
- * Scores go 8 keys at a time (keys past L read as zeros and are dropped), so a key's score never depends
- * on L, and nothing depends on where the keys sit in the cache: a row given the same keys in the same
- * order computes the same bits whether they are a prefix of its request's rows or gathered from a tree.
- * sc: G * L8 floats of scratch, L8 = L rounded up to 8. */
-static void attend_group(const float *q, int64_t G, const float *k, const float *v, int64_t ldk,
-                         const int64_t *krow, int64_t L, int64_t D, float scale, float *sc, int64_t L8, float *out) {
+/* The G query heads (q[r * qs + a * D], a < G) of m rows r < m sharing one KV head, row r over the first L[r]
+ * keys of one list: key j is the cache row krow[j], read at k + krow[j] * ldk (values likewise).
+ * out[r * qs + a * D] = softmax(scale * q_a.k) weighted sum of v. Scores go 8 keys at a time (keys past a
+ * row's L read as zeros and are dropped), so a key's score never depends on L, nothing depends on where the
+ * keys sit in the cache, and nothing a row computes depends on the other rows: the rows only share the
+ * loads of each 8 keys (and of each chunk of values) while those sit in L1. A row computes the same bits
+ * alone or with others, whether its keys are a prefix of its request's rows or gathered from a tree.
+ * sc: m * G * L8 floats of scratch (L8 = the longest L rounded up to 8); qp (AVX512): m * (G + 1) * D
+ * floats, 64-byte aligned. */
+static void attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const float *k, const float *v,
+                         int64_t ldk, const int64_t *krow, const int64_t *L, int64_t D, float scale, float *sc,
+                         int64_t L8, float *qp, float *out) {
     static const float zero[MAX_D] = {0};
+#ifndef SF_VNNI512
+    (void)qp;
+#endif
+    int64_t lmax = 0;
+    for (int64_t r = 0; r < m; r++) lmax = L[r] > lmax ? L[r] : lmax;
 #ifdef SF_VNNI512
     /* Query heads two at a time, head a in a 512-bit register's low half and a + 1 in its high half (an odd
      * last head shares a register with itself), each key's 8 values broadcast into both halves: every half
      * runs the AVX2 path's fused multiply-adds on the same lanes in the same order, 8 keys in 8 registers. */
-    _Alignas(64) float qp[AMAX_G * MAX_D];
-    for (int64_t a = 0; a < G; a += 2) {
-        const float *q0 = q + a * D, *q1 = q + (a + 1 < G ? a + 1 : a) * D;
-        for (int64_t d = 0; d < D; d += 8) {
-            memcpy(qp + a * D + 2 * d, q0 + d, 8 * sizeof(float));
-            memcpy(qp + a * D + 2 * d + 8, q1 + d, 8 * sizeof(float));
-        }
-    }
-    for (int64_t j0 = 0; j0 < L; j0 += 8) {
-        const float *kr[8];
-        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + krow[j0 + u] * ldk : zero;
+    const int64_t G2 = (G + 1) / 2 * 2;
+    for (int64_t r = 0; r < m; r++)
         for (int64_t a = 0; a < G; a += 2) {
-            const float *qa = qp + a * D;
-            __m512 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+            const float *q0 = q + r * qs + a * D, *q1 = q + r * qs + (a + 1 < G ? a + 1 : a) * D;
+            float *dst = qp + (r * G2 + a) * D;
             for (int64_t d = 0; d < D; d += 8) {
-                const __m512 qv = _mm512_load_ps(qa + 2 * d);
-                for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qv, both_f8(kr[u] + d), acc[u]);
-            }
-            __m256 half[8];
-            for (int u = 0; u < 8; u++) half[u] = lo8(acc[u]);
-            _mm256_storeu_ps(sc + a * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
-            if (a + 1 < G) {
-                for (int u = 0; u < 8; u++) half[u] = hi8(acc[u]);
-                _mm256_storeu_ps(sc + (a + 1) * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+                memcpy(dst + 2 * d, q0 + d, 8 * sizeof(float));
+                memcpy(dst + 2 * d + 8, q1 + d, 8 * sizeof(float));
             }
         }
-    }
-#else
-    for (int64_t j0 = 0; j0 < L; j0 += 8) {
-        const float *kr[8];
-        for (int u = 0; u < 8; u++) kr[u] = j0 + u < L ? k + krow[j0 + u] * ldk : zero;
-        for (int64_t a = 0; a < G; a++) {
-            const float *qa = q + a * D;
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qa + d);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), acc[u]);
-            }
-            _mm256_storeu_ps(sc + a * L8 + j0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
-        }
-    }
 #endif
-    for (int64_t a = 0; a < G; a++) {
-        float *s = sc + a * L8;
-        float mx = s[0];
-        for (int64_t j = 1; j < L; j++) mx = s[j] > mx ? s[j] : mx;
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sv = _mm256_setzero_ps();
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        int64_t j = 0;
+    for (int64_t j0 = 0; j0 < lmax; j0 += 8) {
+        const float *kall[8];
+        for (int u = 0; u < 8; u++) kall[u] = j0 + u < lmax ? k + krow[j0 + u] * ldk : zero;
+        for (int64_t r = 0; r < m; r++) {
+            if (j0 >= L[r]) continue;
+            const float *kr[8];
+            for (int u = 0; u < 8; u++) kr[u] = j0 + u < L[r] ? kall[u] : zero;
+            float *s = sc + r * G * L8;
 #ifdef SF_VNNI512
-        /* two 8-key chunks at a time while both hold keys; their exps are exp8's, added to sv one chunk after
-         * the other as below */
-        const __m512i lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (; j + 8 < L; j += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
-            e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)(L - j)), lane16), e);
-            _mm512_storeu_ps(s + j, e);
-            sv = _mm256_add_ps(sv, lo8(e));
-            sv = _mm256_add_ps(sv, hi8(e));
-        }
+            for (int64_t a = 0; a < G; a += 2) {
+                const float *qa = qp + (r * G2 + a) * D;
+                __m512 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m512 qv = _mm512_load_ps(qa + 2 * d);
+                    for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qv, both_f8(kr[u] + d), acc[u]);
+                }
+                __m256 half[8];
+                for (int u = 0; u < 8; u++) half[u] = lo8(acc[u]);
+                _mm256_storeu_ps(s + a * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+                if (a + 1 < G) {
+                    for (int u = 0; u < 8; u++) half[u] = hi8(acc[u]);
+                    _mm256_storeu_ps(s + (a + 1) * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+                }
+            }
+#else
+            for (int64_t a = 0; a < G; a++) {
+                const float *qa = q + r * qs + a * D;
+                __m256 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qa + d);
+                    for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), acc[u]);
+                }
+                _mm256_storeu_ps(s + a * L8 + j0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+            }
 #endif
-        for (; j < L; j += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - j)), lane));
-            e = _mm256_and_ps(e, live); /* keys past L weigh nothing */
-            _mm256_storeu_ps(s + j, e);
-            sv = _mm256_add_ps(sv, e);
         }
-        const float inv = 1.0f / hsum8(sv);
-        for (int64_t j = 0; j < L8; j++) s[j] *= inv;
     }
-    /* out_a = sum_j p_a[j] v_j, keys in chunks of VCHUNK (whose values stay in L1 while every head and every
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t Lr = L[r], L8r = (Lr + 7) / 8 * 8;
+        for (int64_t a = 0; a < G; a++) {
+            float *s = sc + r * G * L8 + a * L8;
+            float mx = s[0];
+            for (int64_t j = 1; j < Lr; j++) mx = s[j] > mx ? s[j] : mx;
+            const __m256 mv = _mm256_set1_ps(mx);
+            __m256 sv = _mm256_setzero_ps();
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            int64_t j = 0;
+#ifdef SF_VNNI512
+            /* two 8-key chunks at a time while both hold keys; their exps are exp8's, added to sv one chunk
+             * after the other as below */
+            const __m512i lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (; j + 8 < Lr; j += 16) {
+                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+                e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)(Lr - j)), lane16), e);
+                _mm512_storeu_ps(s + j, e);
+                sv = _mm256_add_ps(sv, lo8(e));
+                sv = _mm256_add_ps(sv, hi8(e));
+            }
+#endif
+            for (; j < Lr; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(Lr - j)), lane));
+                e = _mm256_and_ps(e, live); /* keys past L weigh nothing */
+                _mm256_storeu_ps(s + j, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            const float inv = 1.0f / hsum8(sv);
+            for (int64_t j = 0; j < L8r; j++) s[j] *= inv;
+        }
+    }
+    /* out_a = sum_j p_a[j] v_j, keys in chunks of VCHUNK (whose values stay in L1 while every row, head and
      * part of D passes over them), the sums carried in out from one chunk to the next: each output lane is
      * the same chain of fused multiply-adds in key order as one pass over all keys would make. */
-    for (int64_t j0 = 0; j0 < L; j0 += VCHUNK) {
-        const int64_t j1 = j0 + VCHUNK < L ? j0 + VCHUNK : L;
+    for (int64_t j0 = 0; j0 < lmax; j0 += VCHUNK) {
+        for (int64_t r = 0; r < m; r++) {
+            if (j0 >= L[r]) continue;
+            const int64_t j1 = j0 + VCHUNK < L[r] ? j0 + VCHUNK : L[r];
+            const float *sr = sc + r * G * L8;
+            float *o = out + r * qs;
 #ifdef SF_VNNI512
-        /* the AVX2 loop below with 16 lanes per register: 64 values of D (or 32) for two heads */
-        for (int64_t a = 0; a < G; a += 2) {
-            const int two = a + 1 < G;
-            const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
-            const int nv = D % 64 == 0 ? 4 : 2;
-            for (int64_t d = 0; d < D; d += 16 * nv) {
-                __m512 x0[4], x1[4];
-                for (int u = 0; u < nv; u++) {
-                    x0[u] = j0 ? _mm512_loadu_ps(out + a * D + d + 16 * u) : _mm512_setzero_ps();
-                    x1[u] = j0 && two ? _mm512_loadu_ps(out + (a + 1) * D + d + 16 * u) : _mm512_setzero_ps();
-                }
-                if (nv == 4)
-                    for (int64_t j = j0; j < j1; j++) {
-                        const float *vr = v + krow[j] * ldk + d;
-                        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
-                        for (int u = 0; u < 4; u++) {
-                            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-                            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
-                            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
-                        }
+            /* the AVX2 loop below with 16 lanes per register: 64 values of D (or 32) for two heads */
+            for (int64_t a = 0; a < G; a += 2) {
+                const int two = a + 1 < G;
+                const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
+                const int nv = D % 64 == 0 ? 4 : 2;
+                for (int64_t d = 0; d < D; d += 16 * nv) {
+                    __m512 x0[4], x1[4];
+                    for (int u = 0; u < nv; u++) {
+                        x0[u] = j0 ? _mm512_loadu_ps(o + a * D + d + 16 * u) : _mm512_setzero_ps();
+                        x1[u] = j0 && two ? _mm512_loadu_ps(o + (a + 1) * D + d + 16 * u) : _mm512_setzero_ps();
                     }
-                else
-                    for (int64_t j = j0; j < j1; j++) {
-                        const float *vr = v + krow[j] * ldk + d;
-                        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
-                        for (int u = 0; u < 2; u++) {
-                            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-                            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
-                            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+                    if (nv == 4)
+                        for (int64_t j = j0; j < j1; j++) {
+                            const float *vr = v + krow[j] * ldk + d;
+                            const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+                            for (int u = 0; u < 4; u++) {
+                                const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+                                x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+                                x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+                            }
                         }
+                    else
+                        for (int64_t j = j0; j < j1; j++) {
+                            const float *vr = v + krow[j] * ldk + d;
+                            const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+                            for (int u = 0; u < 2; u++) {
+                                const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+                                x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+                                x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+                            }
+                        }
+                    for (int u = 0; u < nv; u++) {
+                        _mm512_storeu_ps(o + a * D + d + 16 * u, x0[u]);
+                        if (two) _mm512_storeu_ps(o + (a + 1) * D + d + 16 * u, x1[u]);
                     }
-                for (int u = 0; u < nv; u++) {
-                    _mm512_storeu_ps(out + a * D + d + 16 * u, x0[u]);
-                    if (two) _mm512_storeu_ps(out + (a + 1) * D + d + 16 * u, x1[u]);
                 }
             }
-        }
 #else
-        /* 32 values of D at a time for two heads at a time (8 accumulators) */
-        for (int64_t a = 0; a < G; a += 2) {
-            const int two = a + 1 < G;
-            const float *p0 = sc + a * L8, *p1 = sc + (a + two) * L8;
-            for (int64_t d = 0; d < D; d += 32) {
-                __m256 x0[4], x1[4];
-                for (int u = 0; u < 4; u++) {
-                    x0[u] = j0 ? _mm256_loadu_ps(out + a * D + d + 8 * u) : _mm256_setzero_ps();
-                    x1[u] = j0 && two ? _mm256_loadu_ps(out + (a + 1) * D + d + 8 * u) : _mm256_setzero_ps();
-                }
-                for (int64_t j = j0; j < j1; j++) {
-                    const float *vr = v + krow[j] * ldk + d;
-                    const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+            /* 32 values of D at a time for two heads at a time (8 accumulators) */
+            for (int64_t a = 0; a < G; a += 2) {
+                const int two = a + 1 < G;
+                const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m256 x0[4], x1[4];
                     for (int u = 0; u < 4; u++) {
-                        const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
-                        x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
-                        x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+                        x0[u] = j0 ? _mm256_loadu_ps(o + a * D + d + 8 * u) : _mm256_setzero_ps();
+                        x1[u] = j0 && two ? _mm256_loadu_ps(o + (a + 1) * D + d + 8 * u) : _mm256_setzero_ps();
+                    }
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float *vr = v + krow[j] * ldk + d;
+                        const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+                        for (int u = 0; u < 4; u++) {
+                            const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
+                            x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
+                            x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) {
+                        _mm256_storeu_ps(o + a * D + d + 8 * u, x0[u]);
+                        if (two) _mm256_storeu_ps(o + (a + 1) * D + d + 8 * u, x1[u]);
                     }
                 }
-                for (int u = 0; u < 4; u++) {
-                    _mm256_storeu_ps(out + a * D + d + 8 * u, x0[u]);
-                    if (two) _mm256_storeu_ps(out + (a + 1) * D + d + 8 * u, x1[u]);
-                }
             }
-        }
 #endif
+        }
     }
 }
 
@@ -475,7 +499,10 @@ typedef struct {
     const int64_t *slots, *base, *plen, *xoff, *nkeys, *extras;
 } sf_key_plan;
 
-/* Rows of q [n, H, D] attending, unmasked, to the keys the plan gives each; out [n, H, D]. */
+/* Rows of q [n, H, D] attending, unmasked, to the keys the plan gives each; out [n, H, D]. Consecutive rows
+ * of one request that see a prefix of its keys (decode rows, a chain's rows, a prompt chunk's rows; not
+ * tree rows with gathered keys) go together, up to MAX_GROUP, sharing their key loads (attend_group);
+ * a task is one group and one KV head, whole on one thread. */
 static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
                        int64_t ldk, const sf_key_plan *plan, float scale, float *out, int64_t num_threads) {
     if (n < 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || D % 32 != 0 || D > MAX_D || H / KVH > AMAX_G) return -1;
@@ -485,34 +512,51 @@ static int attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_
         lmax = plan->nkeys[i] > lmax ? plan->nkeys[i] : lmax;
         work += plan->nkeys[i] * H * D;
     }
-    const int64_t G = H / KVH, tasks = n * KVH, l8 = (lmax + 7) / 8 * 8;
+    int64_t *gstart = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t)), ngroups = 0;
+    if (!gstart) return -2;
+    for (int64_t i = 0; i < n;) {
+        int64_t e = i + 1;
+        if (plan->plen[i] == plan->nkeys[i])
+            while (e < n && e - i < MAX_GROUP && plan->plen[e] == plan->nkeys[e] && plan->base[e] == plan->base[i]) e++;
+        gstart[ngroups++] = i;
+        i = e;
+    }
+    gstart[ngroups] = n;
+    const int64_t G = H / KVH, G2 = (G + 1) / 2 * 2, tasks = ngroups * KVH, l8 = (lmax + 7) / 8 * 8;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1 && work >= ATTEND_PAR_WORK && tasks > 1)
     {
-        float *sc = (float *)malloc((size_t)(G * l8) * sizeof(float));
+        float *sc = (float *)malloc((size_t)(MAX_GROUP * G * l8) * sizeof(float));
+        float *qp = (float *)aligned_alloc(64, (size_t)(MAX_GROUP * G2 * D) * sizeof(float));
         int64_t *krow = (int64_t *)malloc((size_t)l8 * sizeof(int64_t));
-        int64_t krow_of = -1; /* the row whose keys krow holds */
-        if (!sc || !krow) {
+        int64_t krow_of = -1; /* the group whose keys krow holds */
+        if (!sc || !krow || !qp) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            if (!sc || !krow) continue;
-            const int64_t i = t / KVH, g = t % KVH, L = plan->nkeys[i];
-            if (krow_of != i) {
-                const int64_t *sl = plan->slots + plan->base[i], p = plan->plen[i];
-                const int64_t *x = plan->extras + plan->xoff[i] - p;
+            if (!sc || !krow || !qp) continue;
+            const int64_t gi = t / KVH, g = t % KVH, i0 = gstart[gi], m = gstart[gi + 1] - i0;
+            int64_t L = 0;
+            for (int64_t r = 0; r < m; r++) L = plan->nkeys[i0 + r] > L ? plan->nkeys[i0 + r] : L;
+            if (krow_of != gi) {
+                /* a group's rows see a prefix of the layout (all of the longest row's L keys); a lone row may
+                 * also have gathered keys past its prefix */
+                const int64_t p = plan->plen[i0] == plan->nkeys[i0] ? L : plan->plen[i0];
+                const int64_t *sl = plan->slots + plan->base[i0], *x = plan->extras + plan->xoff[i0] - p;
                 for (int64_t j = 0; j < L; j++) krow[j] = sl[j < p ? j : x[j]];
-                krow_of = i;
+                krow_of = gi;
             }
-            attend_group(q + (i * H + g * G) * D, G, k + g * D, v + g * D, ldk, krow, L, D, scale, sc,
-                         (L + 7) / 8 * 8, out + (i * H + g * G) * D);
+            attend_group(q + (i0 * H + g * G) * D, H * D, m, G, k + g * D, v + g * D, ldk, krow, plan->nkeys + i0, D,
+                         scale, sc, (L + 7) / 8 * 8, qp, out + (i0 * H + g * G) * D);
         }
         free(sc);
+        free(qp);
         free(krow);
     }
+    free(gstart);
     return failed ? -2 : 0;
 }
 
