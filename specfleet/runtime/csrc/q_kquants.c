@@ -41,6 +41,40 @@
 #include "q_common.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
+#ifdef SF_VNNI512
+    /* The AVX2 path below in 512-bit registers, to the same bytes: the maximum is exact in any order, the
+     * scale, rounding and conversion go lane by lane, a saturating narrowing equals the two saturating packs
+     * (the quants lie in [-127, 127]), and the sums of 16 quants are exact integer sums. */
+    for (int64_t b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++)
+            amax = _mm512_max_ps(amax, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xb + 16 * i)), abs_mask)));
+        const float mx = _mm512_reduce_max_ps(amax);
+        const __m512 mul = _mm512_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+        out[b].d = mx / 127.0f;
+        int8_t nat[256]; /* the block's quants in element order */
+        for (int s = 0; s < 16; s++) {
+            const __m512i i32 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * s), mul),
+                                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(nat + 16 * s), _mm512_cvtsepi32_epi8(i32));
+            out[b].bsum[s] = (int16_t)_mm512_reduce_add_epi32(i32);
+        }
+        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
+        /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
+        const __m512i n01 = _mm512_loadu_si512(nat), n23 = _mm512_loadu_si512(nat + 64);
+        const __m512i n45 = _mm512_loadu_si512(nat + 128), n67 = _mm512_loadu_si512(nat + 192);
+        for (int t = 0; t < 8; t += 2) {
+            /* registers t and t + 1 side by side: lane l holds dword 8u + r, u = l % 8, r = t + (l >= 8); index
+             * 8 (u % 4) + r picks it from n01|n23 (u < 4) and, the same index, from n45|n67 (u >= 4) */
+            const __m512i idx = _mm512_setr_epi32(t, 8 + t, 16 + t, 24 + t, t, 8 + t, 16 + t, 24 + t,
+                                                  t + 1, 9 + t, 17 + t, 25 + t, t + 1, 9 + t, 17 + t, 25 + t);
+            const __m512i lo = _mm512_permutex2var_epi32(n01, idx, n23), hi = _mm512_permutex2var_epi32(n45, idx, n67);
+            _mm512_storeu_si512(out[b].q + 32 * t, _mm512_mask_blend_epi32(0xF0F0, lo, hi));
+        }
+    }
+#else
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 256; b++) {
         const float *xb = x + 256 * b;
@@ -72,6 +106,7 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
         for (int t = 0; t < 8; t++)
             for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
     }
+#endif
 }
 
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } b_q4_k;
