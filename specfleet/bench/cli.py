@@ -138,6 +138,8 @@ def _print_summary(payload: dict) -> None:
                                            "mean_accepted_length", "speedup_throughput", "roofline_fraction"]))
     for c in payload["checks"]:
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+        if c.get("at_most") is not None:  # a value held to a ceiling (c(k))
+            ratio = "-" if c.get("value") is None else f"{c['value']:.2f} (<= {c['at_most']})"
         verdict = {True: "PASS", False: "FAIL", None: "info"}[c["passed"]]
         print(f"{verdict:4} {c['label']}: {ratio}")
 
