@@ -96,6 +96,34 @@ def test_any_number_of_micro_batches_and_two_drafters_keep_greedy_output(target,
     assert_drafter_caches_empty(drafters)
 
 
+def test_each_drafter_hears_the_engines_clock(target, draft, plain_outputs):
+    """As in the serial engine (tests/test_fleet.py), every drafter's composition gets the engine's measured
+    step before each drafting after its first (core/proposer.observe_step): its own drafting seconds, the
+    target's verify seconds since, the batch it drafts for; it never times gaps itself."""
+    from specfleet.core.proposer import StepTiming
+
+    seen: dict[int, list[StepTiming]] = {0: [], 1: []}
+
+    class Listening(PromptLookupProposer):
+        def __init__(self, i):
+            super().__init__(PromptLookupConfig(4))
+            self.i = i
+
+        def observe_step(self, timing):
+            seen[self.i].append(timing)
+
+    drafters = [Listening(0), Listening(1)]
+    with PipelinedEngine(target, None, engine_config(target), drafters=drafters,
+                         pipeline=PipelineConfig(num_micro_batches=2)) as eng:
+        out = run_to_completion(eng, prompts_for(8), GREEDY)
+    assert [o.token_ids for o in out] == plain_outputs[8]
+    assert all(len(v) >= 2 for v in seen.values()), {i: len(v) for i, v in seen.items()}
+    every = seen[0] + seen[1]
+    assert all(t.seconds > 0 and t.draft_seconds > 0 and t.verify_seconds >= 0 and t.batch >= 1 for t in every)
+    assert max(t.verify_seconds for t in seen[0]) > 0  # the target verified between two of its draftings
+    assert sum(t.verify_seconds for t in seen[0]) <= eng.stats.verify_time + 1e-9
+
+
 def test_no_leak_under_preemption_aborts_and_sampling(target, draft):
     """Tight memory, many requests, random aborts of parked and running requests: all blocks freed."""
     rng = random.Random(0)

@@ -39,7 +39,7 @@ from specfleet.outputs import RequestOutput
 from specfleet.runtime.model import DecoderLM
 from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
                                      TargetClock, pipeline_stats, target_batch_size)
-from specfleet.core.proposer import Feedback, Proposer
+from specfleet.core.proposer import Feedback, Proposer, StepTiming, observe_step
 
 
 class PipelinedEngine(Engine):
@@ -59,7 +59,8 @@ class PipelinedEngine(Engine):
                                        pc.num_micro_batches)
         self.clock = TargetClock()
         self._parked: set[str] = set()
-        self._workers = [_DraftWorker(i, p, self.pool, self.device, pc.draft_threads) for i, p in enumerate(drafters)]
+        self._workers = [_DraftWorker(i, p, self.pool, self.device, pc.draft_threads, lambda: self.stats.verify_time)
+                         for i, p in enumerate(drafters)]
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -241,9 +242,15 @@ class _DrafterRouter:
 
 class _DraftWorker(threading.Thread):
     def __init__(self, index: int, proposer: Proposer, pool: ResultPool, device: torch.device,
-                 num_threads: int | None):
+                 num_threads: int | None, verify_seconds=lambda: 0.0):
         super().__init__(name=f"specfleet-drafter-{index}", daemon=True)
         self.index, self.proposer, self.pool, self.device, self.num_threads = index, proposer, pool, device, num_threads
+        # the engine's clock for this drafter's proposer, as Engine._propose hands it (core/proposer.StepTiming):
+        # when this drafter's last drafting ended, how long it took, and the engine's verify seconds total then
+        # (a float the engine thread adds to; reading it here needs no lock)
+        self.verify_seconds = verify_seconds
+        self._drafted_at: float | None = None
+        self._draft_s = self._verify_at = 0.0
         # (call, request ids, error) of observe/release messages that raised, for the engine thread to apply
         # (Engine._draft_failed); a deque, so appending here and popping there need no lock
         self.failures: deque[tuple[str, list[str], Exception]] = deque()
@@ -275,12 +282,17 @@ class _DraftWorker(threading.Thread):
         lengths = [r.num_tokens for r in requests]  # parked: nobody changes them while we draft
         t0 = time.perf_counter()
         try:
+            if self._drafted_at is not None:
+                verified = self.verify_seconds()
+                observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
+                                                       verified - self._verify_at, len(requests)))
             trees, error = self.proposer.propose(requests), None
         except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
             trees, error = {}, e
         if stream is not None:
             stream.synchronize()  # tree tensors (draft probabilities) are read on the target's stream
         dt = time.perf_counter() - t0
+        self._drafted_at, self._draft_s, self._verify_at = t0 + dt, dt, self.verify_seconds()
         share = dt / len(requests)
         self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share, error)
                                    for r, n in zip(requests, lengths)], dt)
