@@ -8,8 +8,9 @@ count torch picks), so neither inherits the other's OpenMP state. Rounds alterna
 medians over rounds and per-round ratios are printed.
 
 Figures, per system:
-- `tg_tok_s`: decode tok/s, llama-bench's tg64 (64 tokens from an empty context); specfleet: the same,
-  64 one-token forwards of its runner (the engine's path: batch building, every layer, the output head).
+- `tg_tok_s`: decode tok/s, llama-bench's tg64 (64 tokens from an empty context, or after `--depth` tokens:
+  its `-d`); specfleet: the same, 64 one-token forwards of its runner (the engine's path: batch building,
+  every layer, the output head), after a prefill of `--depth` tokens that is not timed.
 - `pp_tok_s`: prefill tok/s of a 128-token prompt from an empty cache (llama-bench's pp128).
 - `c(k)`, k = 1..8 (specfleet): the forward over k+1 new tokens with every row's logits after 128 cached
   tokens, in one-token forwards at the same context (bench/gguf_micro.py `verify_costs`).
@@ -30,7 +31,7 @@ import time
 TG, PP = 64, 128
 
 
-def specfleet_child(model: str, repeats: int) -> dict:
+def specfleet_child(model: str, repeats: int, depth: int = 0) -> dict:
     """One specfleet system, measured in this process (run as a child with SPECFLEET_ISA set)."""
     import torch
 
@@ -41,7 +42,7 @@ def specfleet_child(model: str, repeats: int) -> dict:
 
     llm = LLM(model, draft="none", quantization="auto")
     engine = llm.engine
-    ids = [(7919 * i) % 30000 + 100 for i in range(PP + TG + 16)]
+    ids = [(7919 * i) % 30000 + 100 for i in range(PP + TG + depth + 16)]
 
     def run(new_ids, start, rows):
         engine.runner.execute([ForwardItem("b", new_ids, start, rows)], engine.blocks)
@@ -55,10 +56,13 @@ def specfleet_child(model: str, repeats: int) -> dict:
             pp.append(PP / (time.perf_counter() - t0))
         finally:
             engine.blocks.free("b")
-        engine.blocks.allocate("b", TG)
+        engine.blocks.allocate("b", depth + TG)
         try:
             t0 = time.perf_counter()
-            for i in range(TG):
+            if depth:
+                run(ids[:depth], 0, [depth - 1])
+                t0 = time.perf_counter()
+            for i in range(depth, depth + TG):
                 run([ids[i]], i, [0])
             tg.append(TG / (time.perf_counter() - t0))
         finally:
@@ -69,22 +73,23 @@ def specfleet_child(model: str, repeats: int) -> dict:
             "kernel_isa": native_backend.isa(), "threads": torch.get_num_threads()}
 
 
-def run_specfleet(path: str, model: str, repeats: int) -> dict:
+def run_specfleet(path: str, model: str, repeats: int, depth: int = 0) -> dict:
     env = dict(os.environ, SPECFLEET_ISA=path)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", model,
-                           "--repeats", str(repeats)], env=env, capture_output=True, text=True)
+                           "--repeats", str(repeats), "--depth", str(depth)], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"specfleet ({path}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_llama_bench(binary: str, gguf: str, repeats: int) -> dict:
+def run_llama_bench(binary: str, gguf: str, repeats: int, depth: int = 0) -> dict:
     """llama-bench as a user runs it: its own process, its default threads and options; JSON out. Decode
     and prefill run as two processes, so that where one of llama.cpp's default paths crashes on this CPU
     (its AMX matmul segfaulted on prompts on a Sapphire Rapids VM here) the other still counts; the failed
     test is rerun with `--repack 0` (no repacked or AMX weight buffers) and that is recorded."""
     out: dict = {"notes": []}
-    for key, args in (("tg_tok_s", ["-p", "0", "-n", str(TG)]), ("pp_tok_s", ["-p", str(PP), "-n", "0"])):
+    tg = ["-p", "0", "-n", str(TG)] + (["-d", str(depth)] if depth else [])
+    for key, args in (("tg_tok_s", tg), ("pp_tok_s", ["-p", str(PP), "-n", "0"])):
         for extra in ([], ["--repack", "0"]):
             proc = subprocess.run([binary, "-m", gguf, *args, "-r", str(repeats), "-o", "json", *extra],
                                   capture_output=True, text=True)
@@ -108,10 +113,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="repeats inside each system's run (best counts)")
     ap.add_argument("--isa", nargs="+", default=None, help="specfleet kernel paths (default: every one the CPU runs)")
+    ap.add_argument("--depth", type=int, default=0, help="tokens of context before the timed decode (llama-bench -d)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(specfleet_child(args.model, args.repeats)))
+        print(json.dumps(specfleet_child(args.model, args.repeats, args.depth)))
         return
 
     from specfleet.bench.llamacpp import gguf_path
@@ -125,8 +131,8 @@ def main() -> None:
     for r in range(args.rounds):
         res = {}
         for name in (systems if r % 2 == 0 else systems[::-1]):
-            res[name] = (run_llama_bench(args.llama_bench, gguf, args.repeats) if name == "llama.cpp"
-                         else run_specfleet(name.split()[1], args.model, args.repeats))
+            res[name] = (run_llama_bench(args.llama_bench, gguf, args.repeats, args.depth) if name == "llama.cpp"
+                         else run_specfleet(name.split()[1], args.model, args.repeats, args.depth))
             print(f"round {r} {name:22s} tg {res[name]['tg_tok_s']:6.2f} tok/s  pp {res[name]['pp_tok_s']:7.2f} tok/s"
                   + "".join(f"  c({k}) {res[name][f'c({k})']:.2f}" for k in (1, 2, 4, 8) if f"c({k})" in res[name]),
                   flush=True)
@@ -155,7 +161,7 @@ def main() -> None:
             f"threading ({peer.get('threads')} threads), tg{TG} ({peer.get('tg_options')}) / pp{PP} "
             f"({peer.get('pp_options')}){'; ' + '; '.join(peer['notes']) if peer.get('notes') else ''}. "
             "specfleet: each kernel ISA path in its own "
-            f"process, decode = {TG} one-token forwards from an empty cache, prefill = one {PP}-token forward, "
+            f"process, decode = {TG} one-token forwards after {args.depth} cached tokens (their prefill untimed), prefill = one {PP}-token forward, "
             "c(k) = a (k+1)-row forward with every row's logits after 128 cached tokens over a one-row forward. "
             "OMP_WAIT_POLICY and OMP_NUM_THREADS unset for every system unless the header says otherwise.\n\n"
             + md_table(table, cols))
