@@ -95,8 +95,8 @@ def main() -> None:
                 if path.is_relative_to(Path(tmp)):
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
                                    capture_output=True)
-    write_results("ab-trees", summarize(rows, trees[0][1], trees[1][1], drafts, args),
-                  report(rows, trees[0][1], trees[1][1], drafts, args, md_table), dtype="gguf")
+    summary = summarize(rows, trees[0][1], trees[1][1], drafts, args)
+    write_results("ab-trees", summary, report(rows, summary, args, md_table), dtype="gguf")
 
 
 def summarize(rows, new, old, drafts, args) -> dict:
@@ -109,8 +109,8 @@ def summarize(rows, new, old, drafts, args) -> dict:
                       for t in (new, old) for d in drafts}}
 
 
-def report(rows, new, old, drafts, args, md_table) -> str:
-    s = summarize(rows, new, old, drafts, args)
+def report(rows, s: dict, args, md_table) -> str:
+    new, old, drafts = s["new"], s["old"], list(s["ratio_new_over_old"])
     lines = [f"A/B of {new} (new) against {old} (old): the 1.5B GGUF, {args.prompts} HumanEval prompts one at a time, "
              f"{args.tokens} greedy tokens, {args.rounds} rounds alternating which tree goes first; drafts: "
              f"{', '.join(drafts)}. Outputs token-identical across every run: **{s['identical_outputs']}**.", ""]

@@ -147,8 +147,8 @@ def add_speedups(summaries: list[dict], baseline: str | None) -> None:
     base = {s["batch_size"]: s for s in summaries if s["system"] == baseline}
     for s in summaries:
         b = base.get(s["batch_size"])
-        s["speedup_throughput"] = _ratio(s["throughput_tok_s"], b["throughput_tok_s"]) if b else None
-        s["speedup_request_tok_s"] = _ratio(s["request_tok_s_mean"], b["request_tok_s_mean"]) if b else None
+        s["speedup_throughput"] = ratio(s["throughput_tok_s"], b["throughput_tok_s"]) if b else None
+        s["speedup_request_tok_s"] = ratio(s["request_tok_s_mean"], b["request_tok_s_mean"]) if b else None
 
 
 def roofline_tok_s(bandwidth_bytes_s: float, weight_bytes_per_step: int) -> float:
@@ -160,16 +160,19 @@ def add_roofline(summaries: list[dict], bound_tok_s: float | None) -> None:
     for s in summaries:
         bound = bound_tok_s * s["mean_concurrency"] if bound_tok_s else None
         s["roofline_tok_s"] = bound
-        s["roofline_fraction"] = _ratio(s["throughput_tok_s"], bound) if bound else None
+        s["roofline_fraction"] = ratio(s["throughput_tok_s"], bound) if bound else None
+
+
+def value_of(summaries: list[dict], system: tuple[str, int], metric: str) -> float | None:
+    """metric of (system, batch size) among the summaries, or None where it is missing."""
+    return next((s.get(metric) for s in summaries if (s["system"], s["batch_size"]) == tuple(system)), None)
 
 
 def ratio_check(summaries: list[dict], a: tuple[str, int], b: tuple[str, int], metric: str) -> float | None:
     """metric(system a at batch a) / metric(system b at batch b), or None if either is missing."""
-    rows = {(s["system"], s["batch_size"]): s for s in summaries}
-    if a not in rows or b not in rows:
-        return None
-    return _ratio(rows[a].get(metric), rows[b].get(metric))
+    return ratio(value_of(summaries, a, metric), value_of(summaries, b, metric))
 
 
-def _ratio(x, y) -> float | None:
+def ratio(x, y) -> float | None:
+    """x / y, or None where either is missing (or y is 0)."""
     return x / y if x is not None and y else None

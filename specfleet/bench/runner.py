@@ -341,11 +341,7 @@ def evaluate_checks(preset: Preset, parts: list[dict]) -> list[dict]:
                             "min_ratio": 0.0, "at_most": c.at_most, "value": value, "ratio": None,
                             "passed": None if value is None else value <= c.at_most})
             continue
-        if part and c.metric.startswith("micro:"):
-            a, b = _metric(part, c.a, c.metric), _metric(part, c.b, c.metric)
-            ratio = a / b if a is not None and b else None
-        else:
-            ratio = metrics.ratio_check(part["summaries"], c.a, c.b, c.metric) if part else None
+        ratio = metrics.ratio(_metric(part, c.a, c.metric), _metric(part, c.b, c.metric)) if part else None
         results.append({"label": c.label, "part": c.part, "a": list(c.a), "b": list(c.b), "metric": c.metric,
                         "min_ratio": c.min_ratio, "ratio": ratio,
                         "passed": None if ratio is None or c.min_ratio <= 0 else ratio >= c.min_ratio})
@@ -356,7 +352,7 @@ def _metric(part: dict, system: tuple[str, int], metric: str) -> float | None:
     """A summary's metric for (system, batch), or for "micro:<name>" the median over rounds of that system's
     bench/gguf_micro.py figure; None where it was not measured."""
     if not metric.startswith("micro:"):
-        return next((s.get(metric) for s in part["summaries"] if (s["system"], s["batch_size"]) == tuple(system)), None)
+        return metrics.value_of(part["summaries"], system, metric)
     name = metric.removeprefix("micro:")
     info = next((s for s in part.get("systems", []) if s["label"] == system[0]), {})
     values = [m[name] for m in info.get("micro", []) if m.get(name) is not None]

@@ -45,43 +45,31 @@ typedef struct {
 
 static int is_k(int64_t type) { return type == T_Q4_K || type == T_Q6_K; }
 
-/* exp of 8 floats: x clamped to [-87.3, 88.3], 2^n * p(r) with r = x - n ln 2 (|r| <= ln2 / 2) and
- * p the degree-7 Taylor-like polynomial of Cephes' expf (relative error about 2e-7). */
-ALWAYS_INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* exp of a vector of floats: x clamped to [-87.3, 88.3], 2^n * p(r) with r = x - n ln 2 (|r| <= ln2 / 2) and
+ * p the degree-7 Taylor-like polynomial of Cephes' expf (relative error about 2e-7). One body for both
+ * widths (P: the intrinsics' prefix), so exp16's lanes run exp8's instruction sequence and give its bits. */
+#define DEFINE_EXP(NAME, V, VI, P, ROUND, CAST_I2F)                                                       \
+    ALWAYS_INLINE V NAME(V x) {                                                                          \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                          \
+        const V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)),                              \
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                            \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                           \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                             \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                           \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                           \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                           \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                           \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                           \
+        p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.0f)));                         \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);         \
+        return P##_mul_ps(p, CAST_I2F(e));                                                               \
+    }
+
+DEFINE_EXP(exp8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 
 #ifdef SF_VNNI512
-/* exp8's instruction sequence on 16 lanes: each lane's bits are exp8's for that value */
-ALWAYS_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+DEFINE_EXP(exp16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 ALWAYS_INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
 ALWAYS_INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 /* 8 floats at p (any alignment) in both halves */
@@ -308,6 +296,33 @@ ALWAYS_INLINE __m256 hsum8x8(const __m256 *v) {
 #define VCHUNK 64 /* keys whose values the weighted sum takes at a time */
 #endif
 
+#ifdef SF_VNNI512
+/* o0[0 .. 16 nv) (and o1, the second head's, unless 0) += sum over keys j in [j0, j1) of p0[j] (p1[j]) times
+ * the values of cache row krow[j] (v: those values at this part of D), in key order; the sums start from 0 at
+ * j0 = 0 and from what o0/o1 hold after. nv (2 or 4 registers) is a constant at each call, so the loops unroll. */
+ALWAYS_INLINE void values_chunk512(const float *v, const int64_t *krow, int64_t ldk, int64_t j0, int64_t j1,
+                                   const float *p0, const float *p1, float *o0, float *o1, const int nv) {
+    __m512 x0[4], x1[4];
+    for (int u = 0; u < nv; u++) {
+        x0[u] = j0 ? _mm512_loadu_ps(o0 + 16 * u) : _mm512_setzero_ps();
+        x1[u] = j0 && o1 ? _mm512_loadu_ps(o1 + 16 * u) : _mm512_setzero_ps();
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const float *vr = v + krow[j] * ldk;
+        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+        for (int u = 0; u < nv; u++) {
+            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+        }
+    }
+    for (int u = 0; u < nv; u++) {
+        _mm512_storeu_ps(o0 + 16 * u, x0[u]);
+        if (o1) _mm512_storeu_ps(o1 + 16 * u, x1[u]);
+    }
+}
+#endif
+
 /* The G query heads (q[r * qs + a * D], a < G) of m rows r < m sharing one KV head, row r over the first L[r]
  * keys of one list: key j is the cache row krow[j], read at k + krow[j] * ldk (values likewise).
  * out[r * qs + a * D] = softmax(scale * q_a.k) weighted sum of v. Scores go 8 keys at a time (keys past a
@@ -423,40 +438,18 @@ static void attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const
             const float *sr = sc + r * G * L8;
             float *o = out + r * qs;
 #ifdef SF_VNNI512
-            /* the AVX2 loop below with 16 lanes per register: 64 values of D (or 32) for two heads */
+            /* the AVX2 loop below with 16 lanes per register */
             for (int64_t a = 0; a < G; a += 2) {
                 const int two = a + 1 < G;
                 const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
-                const int nv = D % 64 == 0 ? 4 : 2;
-                for (int64_t d = 0; d < D; d += 16 * nv) {
-                    __m512 x0[4], x1[4];
-                    for (int u = 0; u < nv; u++) {
-                        x0[u] = j0 ? _mm512_loadu_ps(o + a * D + d + 16 * u) : _mm512_setzero_ps();
-                        x1[u] = j0 && two ? _mm512_loadu_ps(o + (a + 1) * D + d + 16 * u) : _mm512_setzero_ps();
-                    }
-                    if (nv == 4)
-                        for (int64_t j = j0; j < j1; j++) {
-                            const float *vr = v + krow[j] * ldk + d;
-                            const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
-                            for (int u = 0; u < 4; u++) {
-                                const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-                                x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
-                                x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
-                            }
-                        }
-                    else
-                        for (int64_t j = j0; j < j1; j++) {
-                            const float *vr = v + krow[j] * ldk + d;
-                            const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
-                            for (int u = 0; u < 2; u++) {
-                                const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-                                x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
-                                x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
-                            }
-                        }
-                    for (int u = 0; u < nv; u++) {
-                        _mm512_storeu_ps(o + a * D + d + 16 * u, x0[u]);
-                        if (two) _mm512_storeu_ps(o + (a + 1) * D + d + 16 * u, x1[u]);
+                for (int64_t d = 0; d < D;) {
+                    float *o0 = o + a * D + d, *o1 = two ? o + (a + 1) * D + d : 0;
+                    if (D - d >= 64) { /* 64 values of D for both heads in 8 registers, else 32 in 4 */
+                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 4);
+                        d += 64;
+                    } else {
+                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 2);
+                        d += 32;
                     }
                 }
             }
