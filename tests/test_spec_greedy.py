@@ -38,6 +38,8 @@ def proposers(draft):
                                                                                   kv_cache_bytes=small)),
         "draft-cut-head": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
                                                                                       head_vocab=60)),
+        "draft-chain-pmin": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
+                                                                                        p_min=0.5)),
         "lookup-chain": lambda: PromptLookupProposer(PromptLookupConfig(4)),
         "lookup-tree": lambda: PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
     }
@@ -53,7 +55,8 @@ def repetitive_prompts(lengths):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "draft-cut-head", "lookup-chain", "lookup-tree"])
+@pytest.mark.parametrize("kind", ["draft-chain", "draft-tree", "draft-cut-head", "draft-chain-pmin", "lookup-chain",
+                                  "lookup-tree"])
 def test_speculative_greedy_equals_plain_greedy(target, draft, kind, batch):
     prompts = repetitive_prompts(LENGTHS[batch])
     plain = run_to_completion(make_engine(target), prompts, GREEDY)
@@ -144,6 +147,54 @@ def test_drafting_twice_without_a_commit_gives_the_same_draft(target, draft):
     assert first.token_ids == second.token_ids and len(first) == 4
     proposer.release("r")
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_p_min_stops_a_chain_where_the_draft_doubts_its_token(target, draft):
+    """With p_min a chain ends after the first token whose draft probability is below p_min: every kept
+    token but the last has probability >= p_min, the last is below it unless the chain ran to k, and at
+    p_min = 0 (off) every chain is k long. A batch whose requests stop at different steps drafts each
+    one's own tokens (the same as drafting it alone)."""
+    import torch
+
+    from specfleet.engine.request import Request
+
+    k = 6
+    prompts = random_prompts([9, 14, 5, 21], seed=5)
+    full = DraftModelProposer(draft, "draft", DraftModelConfig(k, kv_cache_bytes=64 << 10))
+    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    chains = full.propose(reqs)
+    assert all(len(chains[r.request_id]) == k for r in reqs)
+    # the draft's own probability of each chain token: the forwards of a full chain, spied on (one
+    # catch-up forward, then k - 1 single-token steps, every request in each)
+    seen = []
+    forward = full.forward
+
+    def spy(items, _forward=forward):
+        out = _forward(items)
+        seen.append(torch.softmax(out.float(), -1).max(-1).values.tolist())
+        return out
+
+    for r in reqs:
+        full.release(r.request_id)
+    full.forward = spy
+    chains = full.propose(reqs)
+    assert len(seen) == k
+    probs = {r.request_id: [seen[j][i] for j in range(k)] for i, r in enumerate(reqs)}
+    for r in reqs:
+        full.release(r.request_id)
+    p_min = sorted(x for v in probs.values() for x in v)[len(reqs) * k // 2]  # the median: some stop, some not
+    stopped = DraftModelProposer(draft, "draft", DraftModelConfig(k, kv_cache_bytes=64 << 10, p_min=p_min))
+    got = stopped.propose(reqs)
+    lengths = []
+    for r in reqs:
+        toks, ps = got[r.request_id].token_ids, probs[r.request_id]
+        n = next((j + 1 for j, x in enumerate(ps[:k - 1]) if x < p_min), k)
+        assert toks == chains[r.request_id].token_ids[:n]
+        lengths.append(n)
+    assert min(lengths) < k and len(set(lengths)) > 1  # the control: the rule did stop chains, unevenly
+    for r in reqs:
+        stopped.release(r.request_id)
+    assert stopped.blocks.num_free_blocks == stopped.blocks.num_blocks
 
 
 def test_chain_draft_keeps_its_accepted_kv(target, draft):

@@ -4,7 +4,8 @@ after its warm-up: prefill tok/s at fixed prompt lengths, the verification cost 
 - prefill: seconds to run a prompt of n tokens from an empty cache (specfleet: one forward through
   the engine's runner; llama.cpp: `Llama.eval`), best of `repeats`; tok/s = n / seconds.
 - c(k): seconds of one target forward over k+1 new tokens after a 128-token context, divided by the
-  seconds of a forward over 1 token at the same context (specfleet only; PERFORMANCE.md's cost model).
+  seconds of a forward over 1 token at the same context, in steady state (after warm one-token forwards,
+  shapes interleaved over rounds, medians; specfleet only; PERFORMANCE.md's cost model).
 - rss_mb / peak_rss_mb: this process's resident memory now and its peak so far (VmRSS / VmHWM), which
   covers the target, its drafts and KV caches of the systems built so far in the part.
 """
@@ -58,10 +59,42 @@ def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
 
 def verify_costs(engine, prompt_ids: list[list[int]], repeats: int = 3) -> tuple[float, list[float]]:
     """(seconds of a one-token forward after CONTEXT cached tokens, [c(k) for k in VERIFY_KS]) of a
-    specfleet engine's target: the forward over k+1 tokens, every row's logits, over the one-token one."""
-    one = _best(lambda: _forward(engine, _tokens(prompt_ids, CONTEXT + 1), CONTEXT, 1), repeats + 2)
-    return one, [_best(lambda k=k: _forward(engine, _tokens(prompt_ids, CONTEXT + k + 1), CONTEXT, k + 1), repeats)
-                 / one for k in VERIFY_KS]
+    specfleet engine's target: the forward over k+1 tokens, every row's logits, over the one-token one.
+
+    Steady state, as decoding meets it: the context is computed once and a few one-token forwards run
+    before any is timed (the first forwards after a prefill are slower: caches and the allocator still
+    hold the prefill's working set); then each round times every shape once, in an order that rotates
+    from round to round, so drift on a shared machine falls on all shapes alike. Each shape's time is
+    the median over `repeats` + 2 rounds, and c(k) divides medians at the same context."""
+    ids = _tokens(prompt_ids, CONTEXT + max(VERIFY_KS) + 1)
+    shapes = (1,) + tuple(k + 1 for k in VERIFY_KS)
+    times: dict[int, list[float]] = {n: [] for n in shapes}
+    rid = "__gguf_micro__"
+    engine.blocks.allocate(rid, CONTEXT + max(shapes))
+    try:
+        _run(engine, rid, ids[:CONTEXT], 0, False)
+        for _ in range(4):  # warm: the steady state of decoding, not the first forwards after a prefill
+            _run(engine, rid, ids[CONTEXT:CONTEXT + 1], CONTEXT, True)
+        for r in range(repeats + 2):
+            order = shapes[r % len(shapes):] + shapes[:r % len(shapes)]
+            for n in order:
+                times[n].append(_run(engine, rid, ids[CONTEXT:CONTEXT + n], CONTEXT, True))
+    finally:
+        engine.blocks.free(rid)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    return med[1], [med[k + 1] / med[1] for k in VERIFY_KS]
+
+
+def _run(engine, rid: str, ids: list[int], context: int, all_rows: bool) -> float:
+    """Seconds of one forward of `ids` at positions context.. of request `rid` (its blocks allocated):
+    every row's logits (verification) or the last row's (a prefill). Later forwards at the same context
+    overwrite the same KV slots, so the cached context stays what it was."""
+    from specfleet.runtime.model_runner import ForwardItem
+
+    rows = list(range(len(ids))) if all_rows else [len(ids) - 1]
+    t0 = time.perf_counter()
+    engine.runner.execute([ForwardItem(rid, ids, context, rows)], engine.blocks)
+    return time.perf_counter() - t0
 
 
 def _best(run, repeats: int) -> float:

@@ -52,10 +52,15 @@ class DraftModelConfig:
     # map a request's longest cached prefix into the draft cache, as the target's cache does
     # (runtime/block_manager.py): a chat's next turn catches the draft up on only what is new
     prefix_caching: bool = True
+    # a chain stops early once the draft's own probability of its next token falls below p_min (its
+    # first token is always drafted): a token the draft itself doubts is likely rejected, and drafting it
+    # costs a draft forward. Lossless at any value (the target verifies what was drafted); 0 = off.
+    p_min: float = 0.0
 
     def validate(self) -> None:
         if self.num_speculative_tokens < 1 or self.top_children < 1 or self.max_nodes < 1 or \
-                (self.head_vocab is not None and self.head_vocab < self.top_children):
+                (self.head_vocab is not None and self.head_vocab < self.top_children) or \
+                not 0.0 <= self.p_min <= 1.0:
             raise InvalidRequestError(f"invalid draft-model settings {self}")
 
     @property
@@ -228,22 +233,34 @@ class DraftModelProposer:
 
     def _draft_chains(self, reqs: list[RequestView], logits: torch.Tensor) -> dict[str, DraftTree]:
         k = self.config.num_speculative_tokens
+        p_min = self.config.p_min
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))  # requests still drafting; row j of `logits` is request active[j]
         for step in range(k):
             argmax = logits.argmax(-1).tolist()  # one host transfer per draft step for every greedy request
-            for i, r in enumerate(reqs):
+            # the draft's probability of its greedy token, where early stopping may use it
+            top_p = torch.softmax(logits.float(), -1).max(-1).values.tolist() if p_min > 0 and step < k - 1 else None
+            stay = []
+            for j, i in enumerate(active):
+                r = reqs[i]
                 if r.params.is_greedy:
-                    tokens[i].append(argmax[i])
+                    tokens[i].append(argmax[j])
+                    p = top_p[j] if top_p is not None else 1.0
                 else:
-                    q = target_probs(logits[i:i + 1], r.params)[0]
-                    tokens[i].append(draw(q, self.generators.get(r)))
+                    q = target_probs(logits[j:j + 1], r.params)[0]
+                    tok = draw(q, self.generators.get(r))
+                    tokens[i].append(tok)
                     # verification needs q over the whole vocabulary; tokens past a cut head have q = 0
                     probs[i].append(torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[0])))
-            if step == k - 1:
+                    p = float(q[tok]) if top_p is not None else 1.0
+                if p >= p_min:
+                    stay.append(i)
+            active = stay
+            if step == k - 1 or not active:
                 break
             # draft token `step` sits right after the committed tokens and the earlier draft tokens
-            items = [ForwardItem(r.request_id, [tokens[i][-1]], r.num_tokens + step, [0]) for i, r in enumerate(reqs)]
+            items = [ForwardItem(reqs[i].request_id, [tokens[i][-1]], reqs[i].num_tokens + step, [0]) for i in active]
             logits = self.forward(items)
         return {r.request_id: DraftTree.chain(tokens[i], self.name, torch.stack(probs[i]) if probs[i] else None)
                 for i, r in enumerate(reqs)}
