@@ -10,7 +10,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.core.proposer import describe
 from specfleet.strategies.grammar import parse
 from specfleet.drafting.draft_model import DraftModelProposer
-from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB, ModelCache, SpecConfig, build, build_proposer, layer_cut
+from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB, DEFAULT_P_MIN, ModelCache, SpecConfig, build, build_proposer, layer_cut
 from specfleet.strategies.length import LengthController
 from specfleet.drafting.ngram_model import NgramProposer
 from specfleet.drafting.prompt_lookup import PromptLookupProposer
@@ -103,6 +103,11 @@ def test_draft_options_and_defaults(drafts):
     # a same-vocabulary draft drafts over the first DEFAULT_HEAD_VOCAB ids unless told otherwise
     assert make("d1", drafts).config.head_vocab == DEFAULT_HEAD_VOCAB
     assert make("d1[head_vocab=none]", drafts).config.head_vocab is None
+    # and stops its chains where it doubts its next token, unless told otherwise
+    assert make("d1", drafts).config.p_min == DEFAULT_P_MIN > 0
+    assert make("d1[p_min=0]", drafts).config.p_min == 0.0
+    with pytest.raises(InvalidRequestError, match="invalid draft-model settings"):
+        make("d1[p_min=1.5]", drafts)
     with pytest.raises(InvalidRequestError, match="head_vocab='many': expected int"):
         make("d1[head_vocab=many]", drafts)
 
