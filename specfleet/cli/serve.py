@@ -137,6 +137,8 @@ def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = 
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout + UVICORN_BACKSTOP_S,
                                            lifespan="on"))
+    # POST /drain (server/worker.py) starts the same graceful shutdown as SIGTERM
+    app.state.request_exit = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal it caught once its graceful shutdown is done; with the default
     # handler that would kill us with status -15 after a clean stop, so answer it with a no-op
     for sig in (signal.SIGTERM, signal.SIGINT):
