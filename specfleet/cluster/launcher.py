@@ -239,6 +239,8 @@ class Cluster:
     def supervise(self, poll_s: float = 0.5) -> int:
         """Until stop() (or the router dies): restart local replicas that exit. Returns an exit status."""
         while not self._stopping.wait(poll_s):
+            if self._stopping.is_set():  # set by a signal handler during the wait, which can still time out
+                break
             if self.router is not None and self.router.poll() is not None:
                 logger.error("the router exited with status %s; stopping the replicas (see %s)",
                              self.router.returncode, self.router_log)
