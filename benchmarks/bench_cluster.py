@@ -7,7 +7,8 @@ human turns and the model's own earlier answers, as a chat client does), `--conc
 at a time, greedy, streamed. Per arm it reports, from the replicas' own /metrics: the prefix-cache hit
 rate (tokens found cached / tokens looked up), the suffix draft's acceptance (accepted / drafted) and
 tokens per target pass; from the client: time to first token of first turns and of later turns, and
-the wall time. Arms alternate (cache_aware, round_robin, cache_aware, ...) for `--rounds` rounds.
+the wall time. Arms (`--arm POLICY [SMG FLAGS]`, default cache_aware and round_robin) run in turn for
+`--rounds` rounds.
 
     flock /tmp/specfleet-bench.lock python benchmarks/bench_cluster.py --conversations 12 --turns 4
 
@@ -22,6 +23,7 @@ import re
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,8 +118,11 @@ def free_port_run(first: int, n: int) -> int:
     raise SystemExit(f"no {n} consecutive free ports from {first}")
 
 
-def run_arm(args: argparse.Namespace, policy: str, convs: list[list[str]], log_dir: Path) -> dict:
+def run_arm(args: argparse.Namespace, arm: str, convs: list[list[str]], log_dir: Path) -> dict:
+    """`arm`: a router policy, optionally with smg flags after it: "cache_aware --balance-abs-threshold=2"."""
+    policy, *router_args = arm.split()
     config = ClusterConfig(replicas=args.replicas, threads_per_replica=args.threads_per_replica, policy=policy,
+                           router_args=router_args,
                            serve_args=["--model", args.model, "--draft", args.draft, "--no-access-log"],
                            port=free_port_run(args.port, args.replicas + 2), log_dir=str(log_dir), restart=False)
     with Cluster(config) as cluster:
@@ -132,7 +137,7 @@ def run_arm(args: argparse.Namespace, policy: str, convs: list[list[str]], log_d
     first = [r["ttft_s"] for r in records if r["turn"] == 0 and r["ttft_s"] is not None]
     later = [r["ttft_s"] for r in records if r["turn"] > 0 and r["ttft_s"] is not None]
     return {
-        "policy": policy,
+        "policy": arm,
         "requests_per_replica": [d["requests"] for d in delta],
         "prefix_hit_rate": total["prefix_hit"] / total["prefix_queried"] if total["prefix_queried"] else 0.0,
         "prefix_hit_tokens": total["prefix_hit"], "prefix_queried_tokens": total["prefix_queried"],
@@ -157,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chars", type=int, default=2000, help="each human turn cut to this many characters")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
-    p.add_argument("--rounds", type=int, default=1, help="alternating cache_aware / round_robin rounds")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of all arms, in the order given")
+    p.add_argument("--arm", action="append", default=None,
+                   help="a router policy and optional smg flags, e.g. 'cache_aware --balance-abs-threshold=2'; "
+                        "repeat (default: cache_aware, round_robin)")
     p.add_argument("--port", type=int, default=18640, help="first port to try (router, replicas, router metrics)")
     args = p.parse_args(argv)
 
@@ -166,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = RESULTS_DIR / f"cluster-cpu-{meta['timestamp_utc']}"
     arms = []
     for rnd in range(args.rounds):
-        for policy in ("cache_aware", "round_robin"):
-            arm = run_arm(args, policy, convs, out_dir / f"logs-{rnd}-{policy}")
+        for k, policy in enumerate(args.arm or ["cache_aware", "round_robin"]):
+            arm = run_arm(args, policy, convs, Path(tempfile.mkdtemp(prefix=f"bench-cluster-{rnd}-{k}-")))
             arm["round"] = rnd
             arms.append(arm)
             print(json.dumps({k: v for k, v in arm.items() if k != "answers"}), flush=True)
-    same = [sum(a["answers"][k] == b["answers"][k] for k in a["answers"]) for a, b in zip(arms[::2], arms[1::2])]
+    ref = arms[0]["answers"]  # greedy and lossless: the same answers whichever replica served a turn
+    same = [sum(a["answers"][k] == ref[k] for k in ref) for a in arms]
     rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in a.items() if k != "answers"} for a in arms]
     body = (f"{args.conversations} ShareGPT conversations x {args.turns} human turns (cut to {args.max_chars} chars), "
             f"{args.concurrency} at a time, max_tokens {args.max_tokens}, greedy; {args.replicas} replicas of "
@@ -179,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             + md_table(rows, ["round", "policy", "requests_per_replica", "prefix_hit_rate", "acceptance_rate",
                               "tokens_per_pass", "ttft_first_turn_median_s", "ttft_later_turns_median_s",
                               "ttft_later_turns_mean_s", "wall_s"])
-            + f"\n\nAnswers identical between the two arms of a round: {same} of {len(convs) * args.turns}.\n")
-    payload = {"args": vars(args), "arms": arms, "identical_answers_per_round": same}
+            + f"\n\nAnswers identical to the first arm's, per arm: {same} of {len(convs) * args.turns}.\n")
+    payload = {"args": vars(args), "arms": arms, "identical_answers_to_first_arm": same}
     json_path, md_path = write_folder(out_dir, meta, payload, body)
     print(body)
     print(f"wrote {json_path} and {md_path}")

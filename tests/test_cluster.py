@@ -214,6 +214,18 @@ def test_replica_info_loads_and_drain(cluster):
     assert old.wait(30) == 0
 
 
+def test_replicas_api_key_goes_to_the_router():
+    from specfleet.cluster.launcher import router_command
+
+    config = parse_cluster("--port", "9000", "--", "--model", MODEL, "--api-key", "k1")
+    argv = router_command(config, ["http://127.0.0.1:9001"])
+    assert argv[argv.index("--api-key") + 1] == "k1"
+    config = parse_cluster("--port", "9000", "--", "--model", MODEL)
+    config.env = {"SPECFLEET_API_KEY": "k2"}
+    argv = router_command(config, ["http://127.0.0.1:9001"])
+    assert argv[argv.index("--api-key") + 1] == "k2"
+
+
 def parse_cluster(*argv: str):
     import argparse
 

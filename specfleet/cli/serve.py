@@ -59,7 +59,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...)")
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...)",
+                              epilog="Scaling out: `specfleet cluster --replicas N -- SERVE-ARGS` runs N replicas of "
+                                     "this server behind a cache-aware router (pip install 'specfleet[cluster]'); "
+                                     "replicas on other machines join with --worker URL (docs/cluster.md).")
     add_serve_args(p)
     p.set_defaults(func=run_serve)
     return p

@@ -118,9 +118,10 @@ class Replica:
             return ""
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def _get(url: str, timeout: float = 2.0, api_key: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 -- our own http URLs
+        with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 -- our own http URLs
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -128,16 +129,30 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return 0, b""
 
 
+def replica_api_key(config: ClusterConfig) -> str | None:
+    """The key the replicas require (their --api-key, else the environment's SPECFLEET_API_KEY)."""
+    args = config.serve_args
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return config.env.get("SPECFLEET_API_KEY") or os.environ.get("SPECFLEET_API_KEY") or None
+
+
 def router_command(config: ClusterConfig, worker_urls: list[str]) -> list[str]:
     """smg's command line: the chosen policy over every worker, probes often enough to notice a dead
-    replica in seconds, and its metrics on the router's host (smg's default binds every interface)."""
+    replica in seconds, and its metrics on the router's host (smg's default binds every interface).
+    With replicas that need an API key, smg gets it too (`--api-key`: it then sends it to the workers
+    and asks it of its clients)."""
+    key = replica_api_key(config)
     return [sys.executable, "-m", "smg", "launch", "--host", config.host, "--port", str(config.port),
             "--worker-urls", *worker_urls, "--policy", config.policy,
             "--prometheus-host", config.host, "--prometheus-port", str(config.metrics_port()),
             "--health-check-interval-secs", str(config.health_interval_s),
             "--health-failure-threshold", "2", "--health-success-threshold", "1",
             "--shutdown-grace-period-secs", str(int(config.shutdown_grace_s)),
-            "--log-level", "warn", *config.router_args]
+            "--log-level", "warn", *(["--api-key", key] if key else []), *config.router_args]
 
 
 class Cluster:
@@ -226,7 +241,7 @@ class Cluster:
 
     def healthy_workers(self) -> set[str]:
         """Worker URLs the router lists as healthy (its GET /workers)."""
-        code, body = _get(self.url + "/workers")
+        code, body = _get(self.url + "/workers", api_key=replica_api_key(self.config))
         if code != 200:
             return set()
         try:
