@@ -137,11 +137,22 @@ def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluste
             break
     assert survivor_prompt is not None, "no distinct prompt reached the other replica in 8 tries"
 
-    doomed, safe = [], []
+    doomed, safe, plain = [], [], {}
     doomed_first, safe_first = threading.Event(), threading.Event()
+
+    def non_streamed() -> None:  # on the victim too; nothing of it has reached the client when it dies
+        body = {"model": MODEL, "messages": [{"role": "system", "content": SHARED},
+                                             {"role": "user", "content": "and a short one"}],
+                "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        try:
+            plain["r"] = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=180)
+        except httpx.HTTPError as e:
+            plain["error"] = repr(e)
+
     threads = [threading.Thread(target=read_stream, args=(cluster.url, SHARED, "write a long essay", 2000, doomed,
                                                           doomed_first)),
-               threading.Thread(target=read_stream, args=(cluster.url, None, survivor_prompt, 48, safe, safe_first))]
+               threading.Thread(target=read_stream, args=(cluster.url, None, survivor_prompt, 48, safe, safe_first)),
+               threading.Thread(target=non_streamed)]
     for t in threads:
         t.start()
     assert doomed_first.wait(60) and safe_first.wait(60), "both streams should have started"
@@ -161,6 +172,17 @@ def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluste
     assert not any("error" in p for p in safe_payloads), safe[-3:]
     assert [c["finish_reason"] for p in safe_payloads for c in p["choices"] if c.get("finish_reason")] == ["length"]
     assert safe[-1] == ("data", "[DONE]")
+    # the victim's non-streamed request is never silently cut: a clear error, or (retried by the router
+    # on the live replica, which is safe as nothing was sent yet) the whole answer
+    if "error" not in plain:
+        r = plain["r"]
+        if r.status_code == 200:
+            body = r.json()
+            assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 200
+        else:
+            assert r.status_code >= 500 and r.json()["error"]["message"], r.text
+    print("non-streamed request on the killed replica:", plain.get("error") or (plain["r"].status_code,
+                                                                               plain["r"].text[:200]))
 
     # new requests go to the live replica, even the ones whose prefix lived on the dead one
     b = served(urls[other])
