@@ -212,8 +212,18 @@ def test_replica_info_loads_and_drain(cluster):
     info = httpx.get(r.url + "/server_info", timeout=10).json()
     assert info["model"] == MODEL and info["context_length"] == info["max_model_len"] > 0
     assert info["draft"] == "suffix" and info["kv_cache"]["block_size"] > 0
-    load = httpx.get(r.url + "/v1/loads", timeout=10).json()["loads"][0]
-    assert load["num_running_reqs"] == 0 and 0.0 <= load["token_usage"] <= 1.0 and not load["draining"]
+    report = httpx.get(r.url + "/v1/loads", timeout=10).json()
+    load = report["loads"][0]
+    assert load["num_running_reqs"] == 0 and 0.0 <= load["token_usage"] <= 1.0 and not report["specfleet"]["draining"]
+    # the router's load monitor parsed this replica's report (GET /loads on smg lists what it holds)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = httpx.get(cluster.url + "/loads", timeout=10).json().get("loads", [])
+        if any(r.url in json.dumps(entry) for entry in held):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"smg holds no load report from {r.url}: {held}")
 
     # POST /drain while a request runs on the replica: it finishes; the replica exits 0 (then, with
     # --restart, comes back: a rolling restart)

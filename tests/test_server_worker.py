@@ -21,16 +21,20 @@ def test_server_info_and_loads_follow_the_engine():
         assert info["model"] == "tiny" and info["max_queue"] == 7 and info["draft"] == "suffix"
         assert info["context_length"] == info["max_model_len"] == llm.engine.max_model_len
         assert info["kv_cache"]["num_blocks"] == llm.engine.blocks.num_blocks
-        before = client.get("/v1/loads").json()["loads"][0]
+        report = client.get("/v1/loads").json()
+        assert report["dp_rank_count"] == 1 and not report["specfleet"]["draining"]
+        before = report["loads"][0]
+        assert all(isinstance(v, (int, float)) for v in before.values()), before  # what smg parses
+        assert before["max_total_num_tokens"] == info["kv_cache"]["num_blocks"] * info["kv_cache"]["block_size"]
         assert before["num_running_reqs"] == before["num_waiting_reqs"] == 0 and before["token_usage"] == 0.0
         prompt = list(range(5, 45))
         for _ in range(2):  # the second request finds the first one's prompt blocks cached
             r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
             assert r.status_code == 200, r.text
-        after = client.get("/v1/loads").json()["loads"][0]
-        assert after["prefix_queried_tokens"] >= 2 * len(prompt) - 2 and after["prefix_hit_tokens"] > 0
+        report = client.get("/v1/loads").json()
+        after, own = report["loads"][0], report["specfleet"]
+        assert own["prefix_queried_tokens"] >= 2 * len(prompt) - 2 and own["prefix_hit_tokens"] > 0
         assert 0.0 < after["cache_hit_rate"] <= 0.5
-        assert after["num_total_blocks"] == info["kv_cache"]["num_blocks"]
 
 
 def test_drain_needs_a_server_that_can_stop_itself():

@@ -150,6 +150,7 @@ def router_command(config: ClusterConfig, worker_urls: list[str]) -> list[str]:
             "--worker-urls", *worker_urls, "--policy", config.policy,
             "--prometheus-host", config.host, "--prometheus-port", str(config.metrics_port()),
             "--health-check-interval-secs", str(config.health_interval_s),
+            "--load-monitor-interval", str(config.health_interval_s),  # /v1/loads, for the balance gate
             "--health-failure-threshold", "2", "--health-success-threshold", "1",
             "--shutdown-grace-period-secs", str(int(config.shutdown_grace_s)),
             "--log-level", "warn", *(["--api-key", key] if key else []), *config.router_args]

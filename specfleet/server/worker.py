@@ -7,8 +7,9 @@ things from a worker besides `/health` and the OpenAI routes:
   composition and its speculation length, queue bound, version. A router (smg probes it while it
   registers a worker) or an operator learns the context length here without a request.
 - `GET /v1/loads`: the load snapshot in the shape SGLang's engines answer (`{"loads": [{...}]}`, one
-  entry, `dp_rank` 0): running and waiting requests, KV usage (`token_usage`, 0..1), prefix-cache hit
-  rate. smg's load monitor polls this route; its load-aware policies (`cache_aware`'s balance gate,
+  entry, `dp_rank` 0): running and waiting requests, KV usage (`token_usage`, 0..1, and in tokens),
+  prefix-cache hit rate. smg's load monitor polls this route (a report with a non-numeric field in a
+  load entry, a null say, is dropped by smg without a word, so entries hold numbers only); its load-aware policies (`cache_aware`'s balance gate,
   `power_of_two`, `least_load`) and overload protection read it. The same numbers are in `/metrics`
   (`specfleet_requests_running`, `specfleet_requests_waiting`, `specfleet_kv_cache_usage_ratio`,
   `specfleet_prefix_cache_hit_tokens_total`, ...) for Prometheus.
@@ -22,6 +23,7 @@ Nothing here changes how a request is served; these routes only read the engine'
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
@@ -64,28 +66,39 @@ def server_info(llm: LLM, engine: AsyncEngine, model_name: str) -> dict[str, Any
     }
 
 
-def loads(engine: AsyncEngine, drain: Drain) -> dict[str, Any]:
-    """One load report in SGLang's /v1/loads shape (the fields smg reads, and a few more)."""
+def loads(llm: LLM, engine: AsyncEngine, drain: Drain) -> dict[str, Any]:
+    """One load report in the shape of SGLang's /v1/loads: a top level with an ISO timestamp and
+    `dp_rank_count`, and per rank only numeric fields under SGLang's names (smg reads them into typed
+    fields, and stops polling a worker whose report does not parse). specfleet's own additions sit
+    under "specfleet"."""
     snap = engine.snapshot
+    block_size = llm.engine.blocks.block_size
     used_blocks = snap.num_blocks - snap.num_free_blocks
     hit_rate = snap.prefix_hit_tokens / snap.prefix_queried_tokens if snap.prefix_queried_tokens else 0.0
+    now = time.time()
     return {
-        "timestamp": time.time(),
+        "timestamp": datetime.fromtimestamp(now, timezone.utc).isoformat(),
+        "version": f"specfleet-{_version() or 'source'}",
+        "dp_rank_count": 1,
         "loads": [{
+            "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": snap.num_running,
             "num_waiting_reqs": snap.num_waiting,
-            "num_queued_reqs": engine.num_queued,  # admitted, no token yet (the 429 bound counts these)
-            "num_used_blocks": used_blocks,
-            "num_total_blocks": snap.num_blocks,
+            "num_used_tokens": used_blocks * block_size,  # KV slots held (whole blocks)
+            "num_total_tokens": used_blocks * block_size,
+            "max_total_num_tokens": snap.num_blocks * block_size,
+            "max_running_requests": llm.engine.scheduler.max_num_seqs,
             "token_usage": used_blocks / snap.num_blocks if snap.num_blocks else 0.0,
             "cache_hit_rate": hit_rate,
+        }],
+        "specfleet": {
+            "num_queued_reqs": engine.num_queued,  # admitted, no token yet (the 429 bound counts these)
             "prefix_hit_tokens": snap.prefix_hit_tokens,
             "prefix_queried_tokens": snap.prefix_queried_tokens,
-            "max_running_requests": None,
             "healthy": engine.is_healthy,
             "draining": drain.is_draining,
-        }],
+        },
     }
 
 
@@ -96,7 +109,7 @@ def add_worker_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, drain: Drain,
 
     @app.get("/v1/loads")
     async def loads_route() -> Response:
-        return JSONResponse(loads(engine, drain))
+        return JSONResponse(loads(llm, engine, drain))
 
     @app.post("/drain")
     async def drain_route() -> Response:
