@@ -20,6 +20,7 @@ EXTRAS = {
     "bench": "specfleet[bench]",
     "pipeline": "specfleet[pipeline]",
     "llamacpp": "specfleet[llamacpp]",
+    "cluster": "specfleet[cluster]",
 }
 
 

@@ -10,7 +10,7 @@ file graph and of the package graph (a package is specfleet's first-level subpac
 Layers, highest first; a package may import only packages of lower layers:
 
     cli                                        the command line
-    server, distill                            the HTTP server, draft distillation
+    cluster, server, distill                   replicas behind a router, the HTTP server, draft distillation
     bench                                      the benchmark suite
     llm                                        the offline API
     engine                                     requests, scheduler, executor, pipelined and async drivers
@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specfleet"
-LAYERS = [["cli"], ["server", "distill"], ["bench"], ["llm"], ["engine"], ["strategies"], ["drafting"], ["runtime"],
+LAYERS = [["cli"], ["cluster", "server", "distill"], ["bench"], ["llm"], ["engine"], ["strategies"], ["drafting"], ["runtime"],
           ["core", "models"], ["config", "outputs", "extras", "sampling_params"], ["errors"]]
 RANK = {f"{PACKAGE}.{name}": len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer}
 

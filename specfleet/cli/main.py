@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     add_models_parser(sub)
     sub.choices["models"].set_defaults(func=run_models)
 
+    from specfleet.cli.cluster import add_cluster_parser
     from specfleet.cli.serve import add_serve_parser
     from specfleet.cli.ngram import add_ngram_parser
 
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from specfleet.distill.head_cli import add_draft_parser
 
     add_serve_parser(sub)
+    add_cluster_parser(sub)
     add_ngram_parser(sub)
     add_bench_parser(sub)
     add_distill_parser(sub)

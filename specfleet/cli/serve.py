@@ -59,7 +59,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...)")
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...)",
+                              epilog="Scaling out: `specfleet cluster --replicas N -- SERVE-ARGS` runs N replicas of "
+                                     "this server behind a cache-aware router (pip install 'specfleet[cluster]'); "
+                                     "replicas on other machines join with --worker URL (docs/cluster.md).")
     add_serve_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -105,6 +108,7 @@ def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = 
     from specfleet.errors import SpecfleetError
     from specfleet.server.app import create_app
     from specfleet.server.shutdown import UVICORN_BACKSTOP_S, Drain
+    from specfleet.server.worker import REQUEST_EXIT
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0 or args.stream_buffer < 1 \
@@ -137,6 +141,8 @@ def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = 
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout + UVICORN_BACKSTOP_S,
                                            lifespan="on"))
+    # POST /drain (server/worker.py) starts the same graceful shutdown as SIGTERM
+    setattr(app.state, REQUEST_EXIT, lambda: setattr(server, "should_exit", True))
     # uvicorn re-raises the signal it caught once its graceful shutdown is done; with the default
     # handler that would kill us with status -15 after a clean stop, so answer it with a no-op
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -40,6 +40,7 @@ from specfleet.server.schemas import (DEFAULT_COMPLETION_TOKENS, ChatCompletionR
                                       DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                       describe_validation_error)
 from specfleet.server.shutdown import Drain
+from specfleet.server.worker import add_worker_routes
 
 T = TypeVar("T")
 M = TypeVar("M", CompletionRequest, ChatCompletionRequest, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest)
@@ -333,6 +334,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_worker_routes(app, llm, engine, drain, config.model_name)  # /server_info, /v1/loads, /drain (routers)
     return app
 
 
