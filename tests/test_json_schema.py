@@ -63,6 +63,11 @@ EXACT = [
      [{}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}]),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": {"type": "string"}},
      [[], [1], [1, "x"], [1, 2], ["x"]]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"$ref": "#/$defs/b"}],
+      "$defs": {"b": {"properties": {"b": {"type": "string"}}}}, "unevaluatedProperties": False},
+     [{}, {"a": 1}, {"b": "x"}, {"a": 1, "b": "x"}, {"c": 1}, {"a": 1, "b": 2}]),
+    ({"type": "array", "allOf": [{"prefixItems": [True, True]}], "unevaluatedItems": False},
+     [[], [1], [1, "x"], [1, 2, 3]]),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
       "$comment": "c", "title": "t", "examples": [{"a": 1}], "deprecated": True},
      [{"a": 1}, {}, {"a": "x"}]),
@@ -115,7 +120,7 @@ def test_unknown_format_and_keyword_are_annotations(lltok):
 @pytest.mark.parametrize("schema,keyword,where", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}, "uniqueItems", "#"),
     ({"type": "object", "properties": {"a": {"not": {"const": 1}}}}, "not", "#/properties/a"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": True}}],
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"b": True}}, True],
       "unevaluatedProperties": False}, "unevaluatedProperties", "#"),
     ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "oneOf", None),
 ])

@@ -71,29 +71,50 @@ _MERGED = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else
            "dependencies")
 
 
-def close_objects(schema: Any) -> Any:
+def _mixin_refs(schema: Any, found: set[str]) -> set[str]:
+    """Local `$ref`s whose target is merged into another object schema (an `allOf` member, or a `$ref`
+    beside `properties`): closing such a target would forbid the other schema's properties."""
+    if isinstance(schema, dict):
+        members = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
+        for m in members:
+            if isinstance(m, dict) and isinstance(m.get("$ref"), str):
+                found.add(m["$ref"])
+        if isinstance(schema.get("$ref"), str) and any(k in schema for k in ("properties", "allOf")):
+            found.add(schema["$ref"])
+        for v in schema.values():
+            _mixin_refs(v, found)
+    elif isinstance(schema, list):
+        for v in schema:
+            _mixin_refs(v, found)
+    return found
+
+
+def close_objects(schema: Any, _mixins: set[str] | None = None, _where: str = "#") -> Any:
     """A copy of a JSON schema in which an object schema that lists `properties` and says nothing of
     others allows no others, as vLLM's default engine does (xgrammar's strict mode): without it a small
     model invents keys until max_tokens. `additionalProperties: true` (or a schema) keeps them allowed.
     Only schemas a value is generated from are closed: not an object whose properties are also listed by
     its `allOf` / `anyOf` / `$ref` / `if` ... (closing it would forbid those), nor the schemas inside
-    those, `not` and `contains` (they describe part of a value, or a value's other side)."""
+    those, `not` and `contains` (they describe part of a value, or a value's other side), nor a `$defs`
+    entry that is merged into another object (`allOf: [{"$ref": ...}]`)."""
     if not isinstance(schema, dict):
         return schema
+    mixins = _mixin_refs(schema, set()) if _mixins is None else _mixins
     out = dict(schema)
-    if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties",
-                                                          "unevaluatedProperties", *_MERGED)):
+    if "properties" in out and _where not in mixins and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", *_MERGED)):
         out["additionalProperties"] = False
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+            out[key] = {name: close_objects(sub, mixins, f"{_where}/{key}/{name}") for name, sub in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [close_objects(sub) for sub in out[key]]
+            out[key] = [close_objects(sub, mixins, f"{_where}/{key}/{i}") for i, sub in enumerate(out[key])]
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), (dict, list)):
             value = out[key]
-            out[key] = [close_objects(v) for v in value] if isinstance(value, list) else close_objects(value)
+            out[key] = ([close_objects(v, mixins, f"{_where}/{key}/{i}") for i, v in enumerate(value)]
+                        if isinstance(value, list) else close_objects(value, mixins, f"{_where}/{key}"))
     return out
 
 

@@ -146,6 +146,7 @@ def _ptr(where: str, *parts: Any) -> str:
 class _Planner:
     def __init__(self, relaxed: bool, root: Any):
         self.relaxed = relaxed
+        self.root = root
         self.notes = SchemaNotes()
         self.dynamic_anchors: dict[str, int] = {}
         self._count_dynamic_anchors(root)
@@ -180,7 +181,7 @@ class _Planner:
         self.notes.annotations.append(Note(keyword, where, detail))
         kind = "format" if keyword.startswith("format:") else "keyword"
         _log_once(kind, keyword, f"JSON schema {kind} {keyword.split(':', 1)[-1]!r} is not enforced "
-                                 f"(accepted as an annotation; counted in specfleet_json_schema_annotations_total)")
+                                 f"(accepted as an annotation; counted in specfleet_json_schema_keywords_total)")
 
     # -- the walk ----------------------------------------------------------------------------------
     def schema(self, node: Any, where: str) -> Any:
@@ -254,31 +255,76 @@ class _Planner:
         all_of = s.get("allOf")
         s["allOf"] = [*(all_of if isinstance(all_of, list) else []), sub]
 
+    def _resolve(self, ref: Any) -> Any:
+        """The target of a local `$ref` ("#/$defs/x") in the original schema, or None."""
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return None
+        node = self.root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def _always_evaluated(self, s: Any, depth: int = 0) -> list | None:
+        """The schemas whose properties / items always count as evaluated for a value `s` accepts: `s`
+        and, through `allOf` and local `$ref`s, the schemas it is the intersection of. None when some
+        evaluation depends on which branch a value takes (anyOf, oneOf, if, ...): no exact grammar."""
+        if not isinstance(s, dict):
+            return []
+        if depth > 16 or any(k in s for k in _IN_PLACE if k not in ("allOf", "$ref")):
+            return None
+        found = [s]
+        members = list(s.get("allOf") or []) if isinstance(s.get("allOf", []), list) else None
+        if members is None:
+            return None
+        if "$ref" in s:
+            target = self._resolve(s["$ref"])
+            if target is None:
+                return None
+            members.append(target)
+        for m in members:
+            more = self._always_evaluated(m, depth + 1)
+            if more is None:
+                return None
+            found += more
+        return found
+
     def _unevaluated(self, s: dict, where: str) -> None:
         in_place = [k for k in _IN_PLACE if k in s]
-        up = s.get("unevaluatedProperties")
         if "unevaluatedProperties" in s:
-            if up is True or up == {}:
-                del s["unevaluatedProperties"]
-            elif in_place:
+            up = s.pop("unevaluatedProperties")
+            parts = self._always_evaluated(s) if up is not True and up != {} else []
+            if parts is None or any("patternProperties" in p for p in parts[1:]):
+                s["unevaluatedProperties"] = up
                 self.unenforceable(s, "unevaluatedProperties", where,
-                                   f"beside {in_place[0]!r}, which evaluates properties too")
-            else:  # nothing else evaluates properties: additionalProperties says the same
-                del s["unevaluatedProperties"]
-                s.setdefault("additionalProperties", up)
-        ui = s.get("unevaluatedItems")
+                                   f"beside {in_place[0]!r}, which evaluates properties only for some values")
+            elif not any("additionalProperties" in p for p in parts):
+                # the properties allOf / $ref name are evaluated: listed here (as `true`), the rest is additional
+                own = dict(s.get("properties") or {})
+                s["properties"] = {**own, **{n: True for p in parts[1:] for n in (p.get("properties") or {})
+                                             if n not in own}}
+                s["additionalProperties"] = up
         if "unevaluatedItems" in s:
-            if ui is True or ui == {}:
-                del s["unevaluatedItems"]
-            elif in_place or "contains" in s:
+            ui = s.pop("unevaluatedItems")
+            parts = self._always_evaluated(s) if ui is not True and ui != {} else []
+            if parts is None or "contains" in s or any(isinstance(p.get("items"), list) for p in parts[1:]):
+                s["unevaluatedItems"] = ui
                 self.unenforceable(s, "unevaluatedItems", where,
-                                   f"beside {(in_place or ['contains'])[0]!r}, which evaluates items too")
-            else:
-                del s["unevaluatedItems"]
-                if isinstance(s.get("items"), list):
-                    s.setdefault("additionalItems", ui)
-                else:
-                    s.setdefault("items", ui)
+                                   f"beside {(in_place or ['contains'])[0]!r}, which evaluates items only "
+                                   f"for some values")
+            elif isinstance(s.get("items"), list):
+                s.setdefault("additionalItems", ui)
+            elif not any("items" in p for p in parts):
+                # the first n items are evaluated (the longest prefixItems), the rest are unevaluated items
+                n = max((len(p.get("prefixItems") or []) for p in parts), default=0)
+                prefix = list(s.get("prefixItems") or [])
+                s["prefixItems"] = prefix + [True] * (n - len(prefix))
+                s["items"] = ui
 
     def _dynamic_ref(self, s: dict, where: str) -> None:
         for key in ("$dynamicRef", "$recursiveRef"):
