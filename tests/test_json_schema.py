@@ -193,3 +193,19 @@ def test_unknown_format_and_keyword_generate_valid_json(smollm2):
         smollm2.generate("x", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
             json={"type": "array", "items": {"type": "integer"}, "minItems": 2, "uniqueItems": True})))
     assert not smollm2.engine.has_unfinished()
+
+
+def test_every_keyword_and_format_is_in_the_compatibility_table():
+    from pathlib import Path
+
+    from specfleet.runtime import json_schema
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "compatibility.md").read_text(encoding="utf-8")
+    table = text[text.index("\n### JSON Schema keywords\n"):]
+    table = table[:table.index("\n## ")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    named = {k for line in rows for k in __import__("re").findall(r"`([^`]+)`", line.split("|")[1])}
+    keywords = (json_schema.ENFORCED | json_schema.ANNOTATIONS | json_schema.REWRITTEN) - {"x-guidance", "id"}
+    assert keywords <= named, sorted(keywords - named)
+    fmt_row = next(line for line in rows if line.startswith("| `format`"))
+    assert all(f"`{f}`" in fmt_row for f in json_schema.KNOWN_FORMATS)
