@@ -209,3 +209,13 @@ def test_every_keyword_and_format_is_in_the_compatibility_table():
     assert keywords <= named, sorted(keywords - named)
     fmt_row = next(line for line in rows if line.startswith("| `format`"))
     assert all(f"`{f}`" in fmt_row for f in json_schema.KNOWN_FORMATS)
+
+
+def test_relaxed_drops_what_the_engine_cannot_compile_and_says_so(lltok):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(?!x)[a-z]+$"},
+                                              "n": {"type": "number", "maximum": 1e27}}, "required": ["code"]}
+    with pytest.raises(InvalidRequestError, match="regex"):
+        plan(schema, dict(COMPACT_JSON), relaxed=False)
+    p = plan(schema, dict(COMPACT_JSON), relaxed=True)
+    assert sorted(n.keyword for n in p.notes.not_enforced) == ["minimum/maximum", "pattern"], p.notes
+    assert accepts(lltok, p.grammar, {"code": "xy", "n": 3}) and not accepts(lltok, p.grammar, {"n": 3})

@@ -504,6 +504,27 @@ _PLANS_LOCK = threading.Lock()
 MAX_PLANS = 512
 
 
+# engine limits on keywords it implements (relaxed: those keywords are dropped wherever they are)
+_LIMITS = (("regex parse error", "pattern", ("pattern", "patternProperties"),
+            "a pattern outside the engine's regex syntax"),
+           ("not disjoint", "patternProperties", ("patternProperties",), "patternProperties whose patterns overlap"),
+           ("float range", "minimum/maximum", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+            "number bounds beyond the engine's range"),
+           ("multipleOf", "multipleOf", ("multipleOf",), "a multipleOf with too many digits"),
+           ("JSON serializable", "numbers", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const",
+                                             "enum"), "numbers beyond the engine's range"))
+
+
+def _drop_everywhere(node: Any, keys: tuple[str, ...]) -> Any:
+    """`node` without `keys` in any schema object (values of `properties` & co. are schemas, so a
+    property named like a keyword goes too: a relaxed fallback, noted as such)."""
+    if isinstance(node, dict):
+        return {k: _drop_everywhere(v, keys) for k, v in node.items() if k not in keys}
+    if isinstance(node, list):
+        return [_drop_everywhere(v, keys) for v in node]
+    return node
+
+
 def _unimplemented(message: str) -> list[str] | None:
     m = re.search(r"Unimplemented keys: \[([^\]]*)\]", message)
     return [k.strip().strip('"') for k in m.group(1).split(",")] if m else None
@@ -537,7 +558,7 @@ def plan(schema: Any, options: dict, relaxed: bool) -> SchemaPlan:
     # closed first, so that the subschemas the rewrites add (`{"properties": {"a": false}}`) stay open
     rewritten = planner.schema(close_objects(copy.deepcopy(schema if schema is not True else {})), "")
     opts = {**options, "lenient": False}
-    for _ in range(3):  # at most: as planned, oneOf coerced, unimplemented keys ignored
+    for _ in range(3 + len(_LIMITS)):  # as planned, oneOf coerced, unimplemented keys ignored, limits dropped
         try:
             grammar = LLMatcher.grammar_from_json_schema(rewritten, defaults=opts)
             is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
@@ -555,6 +576,9 @@ def plan(schema: Any, options: dict, relaxed: bool) -> SchemaPlan:
             for k in keys:
                 planner.unenforceable({}, k, None, "the grammar engine does not implement it here")
             opts["lenient"] = True
+        elif relaxed and (limit := next((x for x in _LIMITS if x[0] in error), None)) is not None:
+            planner.unenforceable({}, limit[1], None, f"{limit[3]}: {error[:120]}")
+            rewritten = _drop_everywhere(rewritten, limit[2])
         else:
             raise InvalidRequestError(f"invalid JSON schema: {error}")
     else:
