@@ -8,7 +8,6 @@ it is complete, and streamed text cannot be taken back).
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import uuid
 from dataclasses import dataclass
