@@ -148,8 +148,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def as_object(schema):
+    """Both servers take a schema object only: a boolean schema is sent as its equivalent {"allOf": [b]}."""
+    return schema if isinstance(schema, dict) else {"allOf": [schema]}
+
+
 def specfleet_request(url: str, prompt: str, schema, max_tokens: int, strict: bool | None) -> dict:
-    js = {"name": "schema", "schema": schema if isinstance(schema, dict) else {"allOf": [schema]}}
+    js = {"name": "schema", "schema": as_object(schema)}
     if strict is not None:
         js["strict"] = strict
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -168,7 +173,7 @@ def specfleet_request(url: str, prompt: str, schema, max_tokens: int, strict: bo
 
 
 def llama_request(url: str, prompt: str, schema, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "json_schema": schema,
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "json_schema": as_object(schema),
             "cache_prompt": True}
     t0 = time.perf_counter()
     r = httpx.post(url + "/completion", json=body, timeout=600)
@@ -181,7 +186,7 @@ def llama_request(url: str, prompt: str, schema, max_tokens: int) -> dict:
         err = data.get("error")
         out["error"] = (err.get("message", "") if isinstance(err, dict) else str(err))[:300]
         return out
-    finish = "stop" if data.get("stop_type") in ("eos", "word") or data.get("stopped_eos") else "length"
+    finish = "stop" if data.get("stop_type") in ("eos", "word") else "length"
     out.update(text=data.get("content", ""), finish=finish, tokens=data.get("tokens_predicted"))
     return out
 
