@@ -194,3 +194,8 @@ def test_schema_annotations_are_accepted_counted_and_refusals_name_the_keyword(s
                                          max_tokens=80, temperature=0)
     note = got.model_extra["structured_output"]
     assert [n.split(" (")[0] for n in note["not_enforced"]] == ["uniqueItems at #/properties/tags"], note
+    stream = client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(unique, False),
+                                            max_tokens=80, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == got.choices[0].message.content
+    assert chunks[-1].model_extra["structured_output"] == note  # on the final chunk, as in the whole response
