@@ -219,3 +219,11 @@ def test_relaxed_drops_what_the_engine_cannot_compile_and_says_so(lltok):
     p = plan(schema, dict(COMPACT_JSON), relaxed=True)
     assert sorted(n.keyword for n in p.notes.not_enforced) == ["minimum/maximum", "pattern"], p.notes
     assert accepts(lltok, p.grammar, {"code": "xy", "n": 3}) and not accepts(lltok, p.grammar, {"n": 3})
+
+
+def test_property_order_is_kept_per_schema(lltok):
+    """The plan cache must not take two schemas that differ only in property order for one."""
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["a", "b"]}
+    assert accepts(lltok, plan(ab, dict(COMPACT_JSON), False).grammar, {"a": 1, "b": 2})
+    assert accepts(lltok, plan(ba, dict(COMPACT_JSON), False).grammar, {"b": 2, "a": 1})

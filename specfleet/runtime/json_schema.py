@@ -546,7 +546,8 @@ def plan(schema: Any, options: dict, relaxed: bool) -> SchemaPlan:
         raise InvalidRequestError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
     if schema is False:
         raise InvalidRequestError("the JSON schema is `false`, which no value satisfies")
-    key = (json.dumps(schema, sort_keys=True), json.dumps(options, sort_keys=True), relaxed)
+    # not sort_keys: the order of `properties` is the order the grammar writes them in
+    key = (json.dumps(schema), json.dumps(options, sort_keys=True), relaxed)
     with _PLANS_LOCK:
         found = _PLANS.get(key)
         if found is not None:
