@@ -227,3 +227,14 @@ def test_property_order_is_kept_per_schema(lltok):
     ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["a", "b"]}
     assert accepts(lltok, plan(ab, dict(COMPACT_JSON), False).grammar, {"a": 1, "b": 2})
     assert accepts(lltok, plan(ba, dict(COMPACT_JSON), False).grammar, {"b": 2, "a": 1})
+
+
+def test_openapi_number_formats(lltok):
+    """int32 is enforced as bounds; int64 and double (beyond the engine's ranges, or no constraint) compile
+    as annotations, as they did before formats were planned."""
+    p = plan({"type": "integer", "format": "int32"}, dict(COMPACT_JSON), False)
+    assert accepts(lltok, p.grammar, 2**31 - 1) and not accepts(lltok, p.grammar, 2**31)
+    for fmt in ("int64", "double"):
+        p = plan({"type": "integer", "format": fmt}, dict(COMPACT_JSON), False)
+        assert [n.keyword for n in p.notes.annotations] == [f"format:{fmt}"]
+        assert accepts(lltok, p.grammar, 2**40)
