@@ -512,6 +512,8 @@ _LIMITS = (("regex parse error", "pattern", ("pattern", "patternProperties"),
            ("float range", "minimum/maximum", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
             "number bounds beyond the engine's range"),
            ("multipleOf", "multipleOf", ("multipleOf",), "a multipleOf with too many digits"),
+           ("min/maxProperties only supported", "minProperties/maxProperties", ("minProperties", "maxProperties"),
+            "property counts where not every listed property is required"),
            ("JSON serializable", "numbers", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const",
                                              "enum"), "numbers beyond the engine's range"))
 
