@@ -90,6 +90,8 @@ NARROWED = [
      "if", [{"c": "US", "z": "12345"}, {"c": "US", "z": "1"}, {"c": "FR", "z": "x"}]),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "contains", [[3], [3, 1], [1, 3], [1]]),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", [[], [1], [1, 2], [1, 1]]),
+    ({"type": "object", "properties": {"ab": {"type": "string"}}, "additionalProperties": {"type": "integer"},
+      "propertyNames": {"maxLength": 2}}, "propertyNames", [{"ab": "x"}, {"ab": "x", "c": 1}, {"abc": 1}]),
 ]
 
 

@@ -419,7 +419,11 @@ class _Planner:
         if isinstance(props, dict):
             s["properties"] = {k: (v if re.search(regex, k) else False) for k, v in props.items()}
         extra = s.get("additionalProperties", False if isinstance(props, dict) else True)
-        if extra is not False:  # other names: only those the pattern allows, as the schema says
+        if extra is not False and isinstance(props, dict) and props:
+            # a pattern property would apply to the listed properties too: no other names are generated
+            s["additionalProperties"] = False
+            self.narrowed("propertyNames", where, "only the listed properties are generated")
+        elif extra is not False:  # other names: only those the pattern allows, as the schema says
             s["patternProperties"] = {regex: extra}
             s["additionalProperties"] = False
 
