@@ -20,7 +20,12 @@ description (OpenAPI, JSON Schema Store, a tool's `parameters`) often carries su
   `unevaluatedProperties` beside `allOf`, a `oneOf` whose branches may overlap, ...). By default the
   schema is refused (`UnenforceableSchemaError`, a 400 naming the keyword and where it is); with
   `relaxed` the output is generated under the rest of the schema and the keyword is listed as
-  `not_enforced` in the request's notes.
+  `not_enforced` in the request's notes. `relaxed` also drops (and lists) keywords llguidance
+  implements but cannot compile for the schema at hand (`_LIMITS`: a pattern outside its regex syntax,
+  overlapping patternProperties, bounds beyond its number ranges), which are a 400 otherwise.
+
+Every rewrite is checked against `jsonschema` on instances (tests/test_json_schema.py), and on the
+official JSON-Schema-Test-Suite by benchmarks/bench_schema_coverage.py.
 
 docs/compatibility.md has the table, keyword by keyword.
 """
