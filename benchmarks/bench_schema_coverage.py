@@ -9,6 +9,8 @@ part of this repository; give its path (a checkout, or a bare git directory such
     flock /tmp/specfleet-bench.lock python benchmarks/bench_schema_coverage.py --suite /tmp/JSON-Schema-Test-Suite \
         --model qwen-0.5b --llama-server /path/to/llama-server --sample 100 --max-tokens 60
 
+0. Soundness, in process: each test group's schema as specfleet plans it by default, and every instance
+   of the suite walked through its grammar (accepted invalid instances are counted, with examples).
 1. Coverage: every schema is sent once to each server as a 1-token request (prompt "{"): a 400 (or, for
    llama-server, any error) means the server refused it. specfleet is asked twice: as a client leaving
    `strict` unsaid (the default: a keyword it cannot enforce is refused) and with `strict: false`
@@ -121,6 +123,54 @@ def check(output: str, schema, cls, reg) -> str:
     return "valid" if ok else "invalid"
 
 
+def soundness(suite: Suite, draft: str) -> dict:
+    """In process, no model: every test group's schema planned as the server plans it by default, and
+    each of the suite's instances (as json.dumps writes it) walked byte by byte through its grammar.
+    `accepted_invalid` counts instances the suite marks invalid that the grammar of a fully enforced
+    schema (nothing noted as not enforced) accepts: with `format_annotation`, under a format that is an
+    annotation here; the rest are the grammar engine's own approximations (formats, regex dialect)."""
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    from specfleet.errors import InvalidRequestError
+    from specfleet.runtime.grammar import COMPACT_JSON
+    from specfleet.runtime.json_schema import plan
+
+    class Bytes:
+        tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        eos_token_id, bos_token_id = 256, None
+
+        def __call__(self, text):
+            return list(text.encode())
+
+    tok = llguidance.LLTokenizer(TokenizerWrapper(Bytes()), n_vocab=257)
+    out = {"groups": 0, "compiled": 0, "valid_accepted": 0, "valid_rejected": 0, "invalid_rejected": 0,
+           "accepted_invalid": 0, "accepted_invalid_format_annotation": 0, "examples": []}
+    for name in suite.files(f"tests/{draft}"):
+        for group in suite.read(name):
+            out["groups"] += 1
+            try:
+                p = plan(group["schema"], dict(COMPACT_JSON), relaxed=False)
+            except InvalidRequestError:
+                continue
+            out["compiled"] += 1
+            annotated_format = any(n.keyword.startswith("format:") for n in p.notes.annotations)
+            for t in group["tests"]:
+                m = llguidance.LLMatcher(tok, p.grammar, log_level=0)
+                text = json.dumps(t["data"], ensure_ascii=False)
+                ok = bool(m.consume_tokens(list(text.encode()))) and m.is_accepting()
+                if t["valid"]:
+                    out["valid_accepted" if ok else "valid_rejected"] += 1
+                elif not ok:
+                    out["invalid_rejected"] += 1
+                elif annotated_format:
+                    out["accepted_invalid_format_annotation"] += 1
+                else:
+                    out["accepted_invalid"] += 1
+                    out["examples"].append(f"{name.split('/', 2)[-1]}: {t['description']}")
+    return out
+
+
 # -- the two servers ------------------------------------------------------------------------------
 def start(cmd: list[str], log: Path, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}  # each server's own default threading
@@ -225,6 +275,8 @@ def main() -> int:
         return tok.apply_chat_template([{"role": "user", "content": PROMPT.format(schema=json.dumps(schema))}],
                                        tokenize=False, add_generation_prompt=True)
 
+    sound = soundness(suite, args.draft)
+    print(f"soundness: {json.dumps({k: v for k, v in sound.items() if k != 'examples'})}", flush=True)
     systems: dict[str, dict] = {}
     sf_cmd = [str(Path(sys.executable).with_name("specfleet")), "serve", "--model", args.model, "--port",
               str(args.port), "--kv-cache-mb", "512", *(["--draft", args.draft_spec] if args.draft_spec else [])]
@@ -297,7 +349,7 @@ def main() -> int:
     payload = {"suite": str(args.suite), "suite_commit": suite.commit(), "draft": args.draft, "model": args.model,
                "gguf": str(gguf), "max_tokens": args.max_tokens, "sample_rule": f"every {k}-th schema in file order",
                "schemas": n_all, "remote_ref_schemas": n_all - n_local, "summary": rows,
-               "systems": systems, "sample_ids": [s["id"] for s in sample]}
+               "soundness": sound, "systems": systems, "sample_ids": [s["id"] for s in sample]}
     body = (f"JSON-Schema-Test-Suite {payload['suite_commit'][:12]}, tests/{args.draft}: {n_all} distinct schemas "
             f"({n_all - n_local} reference the suite's remotes, which no server fetches; 'usable': the "
             f"{len(usable)} others the suite gives at least one valid instance for). Model {args.model} "
@@ -305,7 +357,13 @@ def main() -> int:
             f"{payload['sample_rule']}.\n\n"
             + md_table(rows, ["system", "compiled", "of", "share", "compiled_usable", "of_usable", "share_usable",
                               "generated",
-                              "finished", "valid", "valid_of_generated", "valid_of_sample", "invalid", "not_json"]))
+                              "finished", "valid", "valid_of_generated", "valid_of_sample", "invalid", "not_json"])
+            + f"\n\nGrammar soundness in process (specfleet's default plan, the suite's instances as json.dumps "
+              f"writes them): {sound['compiled']} of {sound['groups']} test groups compiled; invalid instances "
+              f"rejected {sound['invalid_rejected']}, accepted {sound['accepted_invalid']} (the grammar engine's "
+              f"format / regex approximations) + {sound['accepted_invalid_format_annotation']} under formats that "
+              f"are annotations; valid instances accepted {sound['valid_accepted']}, rejected "
+              f"{sound['valid_rejected']} (property order, narrowing).\n")
     json_path, md_path = write_folder(out_dir, meta, payload, body)
     print(body)
     print(f"wrote {json_path}")
