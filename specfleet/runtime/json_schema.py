@@ -88,6 +88,63 @@ _IN_PLACE = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", 
              "dependentSchemas", "dependencies", "not")
 
 
+# -- the closing policy (objects list their keys) -------------------------------------------------
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedItems")
+# keywords beside `properties` whose subschemas list properties of the same object: closing the object
+# would forbid those
+_MERGED = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "dependentSchemas",
+           "dependencies")
+
+
+def _mixin_refs(schema: Any, found: set[str]) -> set[str]:
+    """Local `$ref`s whose target is merged into another object schema (an `allOf` member, or a `$ref`
+    beside `properties`): closing such a target would forbid the other schema's properties."""
+    if isinstance(schema, dict):
+        members = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
+        for m in members:
+            if isinstance(m, dict) and isinstance(m.get("$ref"), str):
+                found.add(m["$ref"])
+        if isinstance(schema.get("$ref"), str) and any(k in schema for k in ("properties", "allOf")):
+            found.add(schema["$ref"])
+        for v in schema.values():
+            _mixin_refs(v, found)
+    elif isinstance(schema, list):
+        for v in schema:
+            _mixin_refs(v, found)
+    return found
+
+
+def close_objects(schema: Any, _mixins: set[str] | None = None, _where: str = "#") -> Any:
+    """A copy of a JSON schema in which an object schema that lists `properties` and says nothing of
+    others allows no others, as vLLM's default engine does (xgrammar's strict mode): without it a small
+    model invents keys until max_tokens. `additionalProperties: true` (or a schema) keeps them allowed.
+    Only schemas a value is generated from are closed: not an object whose properties are also listed by
+    its `allOf` / `anyOf` / `$ref` / `if` ... (closing it would forbid those), nor the schemas inside
+    those, `not` and `contains` (they describe part of a value, or a value's other side), nor a `$defs`
+    entry that is merged into another object (`allOf: [{"$ref": ...}]`)."""
+    if not isinstance(schema, dict):
+        return schema
+    mixins = _mixin_refs(schema, set()) if _mixins is None else _mixins
+    out = dict(schema)
+    if "properties" in out and _where not in mixins and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", *_MERGED)):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub, mixins, f"{_where}/{key}/{name}") for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub, mixins, f"{_where}/{key}/{i}") for i, sub in enumerate(out[key])]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            value = out[key]
+            out[key] = ([close_objects(v, mixins, f"{_where}/{key}/{i}") for i, v in enumerate(value)]
+                        if isinstance(value, list) else close_objects(value, mixins, f"{_where}/{key}"))
+    return out
+
+
 class UnenforceableSchemaError(InvalidRequestError):
     """A schema keyword the grammar engine cannot enforce, where ignoring it could return JSON the schema
     rejects (a 400). `keyword` names it, `where` is its JSON pointer in the schema."""
@@ -447,7 +504,8 @@ class _Planner:
             for k in ("contains", "minContains", "maxContains"):
                 s.pop(k, None)
             return
-        if (hi is not None and not (isinstance(max_items, int) and hi >= max_items)) or isinstance(s.get("items"), list):
+        bounded = hi is not None and not (isinstance(max_items, int) and hi >= max_items)
+        if bounded or isinstance(s.get("items"), list):
             self.unenforceable(s, "contains", where, "counting the items that match has no grammar "
                                                       "(maxContains, or items as a list)",
                                drop=("minContains", "maxContains"))
@@ -565,8 +623,6 @@ def plan(schema: Any, options: dict, relaxed: bool) -> SchemaPlan:
         if found is not None:
             _PLANS.move_to_end(key)
             return found
-    from specfleet.runtime.grammar import close_objects  # the closing policy (objects list their keys)
-
     planner = _Planner(relaxed, schema)
     # closed first, so that the subschemas the rewrites add (`{"properties": {"a": false}}`) stay open
     rewritten = planner.schema(close_objects(copy.deepcopy(schema if schema is not True else {})), "")
