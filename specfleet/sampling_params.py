@@ -30,8 +30,12 @@ class StructuredOutputsParams:
     choice              the output is one of these strings
     grammar             a context-free grammar: llguidance's Lark syntax, or GBNF (llama.cpp's; told
                         apart by its `::=`), converted to Lark
-    strict              JSON schemas: True refuses a schema keyword the engine does not implement;
-                        False ignores such keywords (OpenAI's `strict: false`)
+    strict              JSON schemas (runtime/json_schema.py): unknown keywords and formats are
+                        annotations either way; True or None (the default) refuses a schema keyword the
+                        grammar engine cannot enforce where ignoring it could return JSON the schema
+                        rejects; False generates under the enforceable rest of the schema and lists what
+                        was not enforced in the output's `metrics["structured_output"]` (the server:
+                        None follows its --unenforceable-schema option)
     disable_any_whitespace  JSON: True (the default here, unlike vLLM) writes JSON as `json.dumps` does,
                         `{"a": 1, "b": [2, 3]}`: a fixed layout keeps small models from looping on
                         whitespace, and the grammar draft can draft the schema's fixed text; False
@@ -43,7 +47,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    strict: bool = True
+    strict: bool | None = None
     disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
@@ -75,7 +79,7 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             bad("choice must be a non-empty list of non-empty strings")
-        if not isinstance(self.json_object, bool) or not isinstance(self.strict, bool) \
+        if not isinstance(self.json_object, bool) or not isinstance(self.strict, (bool, type(None))) \
                 or not isinstance(self.disable_any_whitespace, bool):
             bad("json_object, strict and disable_any_whitespace must be booleans")
 

@@ -152,3 +152,50 @@ def test_langchain_bind_tools_and_structured_output(server):
     for method in ("json_schema", "function_calling"):
         city = chat.with_structured_output(City, method=method).invoke("Tell me about Paris.")
         assert isinstance(city, City), method
+
+
+RELEASE = {"type": "object", "x-source": "an OpenAPI description",
+           "properties": {"version": {"type": "string", "format": "semver", "maxLength": 12},
+                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+           "required": ["version", "tags"]}
+
+
+def _format(schema: dict, strict: bool | None = None) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "release", "schema": schema,
+                                                   **({} if strict is None else {"strict": strict})}}
+
+
+@pytest.mark.real_model
+def test_schema_annotations_are_accepted_counted_and_refusals_name_the_keyword(server, client):
+    """Issue 48: an unknown format and an unknown keyword are annotations (accepted, said in the response,
+    counted in /metrics); a keyword the grammar cannot enforce is a 400 naming it and where it is, and
+    strict=false generates under the rest of the schema and says what was not enforced."""
+    import httpx
+
+    ask = [{"role": "user", "content": "Describe a software release as JSON."}]
+    got = client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(RELEASE),
+                                         max_tokens=80, temperature=0)
+    assert got.choices[0].finish_reason == "stop", got.choices[0].message.content
+    jsonschema.validate(json.loads(got.choices[0].message.content), RELEASE)
+    assert sorted(got.model_extra["structured_output"]["annotations"]) == [
+        "format:semver at #/properties/version", "x-source at #"]
+    metrics = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {API_KEY}"}).text
+    assert re.search(r'specfleet_json_schema_keywords_total\{kind="annotation",name="format:semver"\} [1-9]', metrics)
+
+    unique = {**RELEASE, "properties": {**RELEASE["properties"], "tags": {
+        **RELEASE["properties"]["tags"], "minItems": 2, "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(unique), max_tokens=8)
+    assert "'uniqueItems' at #/properties/tags cannot be enforced" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):  # strict: true refuses too
+        client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(unique, True),
+                                       max_tokens=8)
+    got = client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(unique, False),
+                                         max_tokens=80, temperature=0)
+    note = got.model_extra["structured_output"]
+    assert [n.split(" (")[0] for n in note["not_enforced"]] == ["uniqueItems at #/properties/tags"], note
+    stream = client.chat.completions.create(model=SERVED, messages=ask, response_format=_format(unique, False),
+                                            max_tokens=80, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == got.choices[0].message.content
+    assert chunks[-1].model_extra["structured_output"] == note  # on the final chunk, as in the whole response

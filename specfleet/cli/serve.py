@@ -53,6 +53,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template replacing the model's own (for models without one, or to fix one); "
                         "`chatml-tools` names the shipped ChatML template with tool calling (Hermes / Qwen2.5 "
                         "syntax), for ChatML models whose own template has no tools (SmolLM2)")
+    p.add_argument("--unenforceable-schema", default="refuse", choices=["refuse", "relax"],
+                   help="a JSON schema keyword the grammar engine cannot enforce (uniqueItems, not, ...), in a "
+                        "request that leaves `strict` unsaid: refuse it with a 400 naming it, or generate under the "
+                        "rest of the schema and list it in the response's `structured_output.not_enforced`")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
@@ -92,7 +96,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                         args.shutdown_timeout, api_key=args.api_key or environ.get(API_KEY_ENV) or None,
                         allowed_origins=origins,
                         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
-                        stream_buffer=args.stream_buffer, stream_stall_timeout_s=args.stream_stall_timeout)
+                        stream_buffer=args.stream_buffer, stream_stall_timeout_s=args.stream_stall_timeout,
+                        unenforceable_schema=getattr(args, "unenforceable_schema", "refuse"))
 
 
 def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = None) -> int:

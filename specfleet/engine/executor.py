@@ -192,6 +192,8 @@ class StepExecutor:
         metrics = req.stats.as_dict()
         metrics["num_preemptions"] = req.num_preemptions
         metrics["num_cached_tokens"] = req.num_cached_tokens
+        if req.grammar is not None and req.grammar.notes:  # what of a JSON schema was not fully enforced
+            metrics["structured_output"] = req.grammar.notes.as_dict()
         if req.first_token_time is not None:
             metrics["ttft_s"] = round(req.first_token_time - req.arrival_time, 6)
         if req.finish_time is not None:

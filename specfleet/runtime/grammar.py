@@ -34,6 +34,8 @@ import torch
 
 from specfleet.core.tree import DraftTree
 from specfleet.errors import InvalidRequestError
+# close_objects lived here; server/tools.py and the tests import it from here still
+from specfleet.runtime.json_schema import SchemaNotes, SchemaPlan, close_objects, plan  # noqa: F401
 from specfleet.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("specfleet.grammar")
@@ -53,9 +55,7 @@ def _llguidance():
 
 
 def json_options(spec: StructuredOutputsParams) -> dict:
-    opts: dict = dict(COMPACT_JSON) if spec.disable_any_whitespace else {"whitespace_flexible": True}
-    opts["lenient"] = not spec.strict  # strict: a keyword llguidance does not implement is an error
-    return opts
+    return dict(COMPACT_JSON) if spec.disable_any_whitespace else {"whitespace_flexible": True}
 
 
 def lark_string(text: str) -> str:
@@ -63,32 +63,11 @@ def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def close_objects(schema: Any) -> Any:
-    """A copy of a JSON schema in which an object schema that lists `properties` and says nothing of
-    others allows no others, as vLLM's default engine does (xgrammar's strict mode): without it a small
-    model invents keys until max_tokens. `additionalProperties: true` (or a schema) keeps them allowed."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties",
-                                                          "unevaluatedProperties")):
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(sub) for sub in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), (dict, list)):
-            value = out[key]
-            out[key] = [close_objects(v) for v in value] if isinstance(value, list) else close_objects(value)
-    return out
+def schema_plan(spec: StructuredOutputsParams) -> SchemaPlan:
+    """A JSON constraint's grammar and what of its schema is not fully enforced (runtime/json_schema.py);
+    `spec.strict=False` generates under the enforceable part of a schema instead of refusing it."""
+    schema: Any = {"type": "object"} if spec.kind == "json_object" else spec.json
+    return plan(schema, json_options(spec), relaxed=spec.strict is False)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -96,18 +75,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     ll = _llguidance().LLMatcher
     kind = spec.kind
     if kind in ("json", "json_object"):
-        schema: Any = {"type": "object"} if kind == "json_object" else spec.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        try:
-            return ll.grammar_from_json_schema(close_objects(schema), defaults=json_options(spec))
-        except ValueError as e:
-            raise InvalidRequestError(f"invalid JSON schema: {e}") from None
+        return schema_plan(spec).grammar
     if kind == "regex":
         return ll.grammar_from_regex(spec.regex)
     if kind == "choice":
@@ -184,7 +152,10 @@ class GrammarCompiler:
         return lark_string(text)
 
     def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
-        return Matcher(self, self.grammar(spec))
+        m = Matcher(self, self.grammar(spec))
+        if spec.kind == "json":
+            m.notes = schema_plan(spec).notes
+        return m
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]]" = weakref.WeakKeyDictionary()
@@ -218,6 +189,7 @@ class Matcher:
         self._words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
         self.num_tokens = 0  # committed tokens consumed
         self.broken = False  # a committed token the grammar refused (a stop token after the end, an EOS)
+        self.notes = SchemaNotes()  # a JSON schema's keywords not fully enforced (runtime/json_schema.py)
 
     # -- committed tokens ------------------------------------------------------------------------
     def advance(self, tokens: list[int]) -> None:

@@ -58,6 +58,9 @@ class ServerConfig:
     # a stream's reader that leaves this many updates unread for this long is stopped (async_engine.py)
     stream_buffer: int = 64
     stream_stall_timeout_s: float = 30.0
+    # a JSON schema keyword the grammar engine cannot enforce: "refuse" (400) or "relax" (generate under the
+    # rest of the schema, said in the response) where the request leaves `strict` unsaid (runtime/json_schema.py)
+    unenforceable_schema: str = "refuse"
 
 
 class ClientGone(Exception):
@@ -153,7 +156,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         structured = None
         if serving.is_constrained(req):  # checked here, so an invalid grammar is a 400 before the response
             # starts; the first one builds the grammar engine's view of the tokenizer (seconds): off the loop
-            structured = await tokenize(lambda: serving.structured_outputs(req, llm.engine.grammar_compiler()))
+            structured = await tokenize(lambda: serving.structured_outputs(
+                req, llm.engine.grammar_compiler(), config.unenforceable_schema == "relax"))
         plans = []
         for i, ids in enumerate(prompts):
             serving.check_prompt(ids, vocab, max_len)

@@ -53,6 +53,11 @@ class ServerMetrics:
                                       "Requests that carried a field this server does not know (accepted, ignored)",
                                       ["field"], registry=r)
         self._unknown_seen: set[str] = set()
+        self.schema_notes = Counter("specfleet_json_schema_keywords",
+                                    "JSON schema keywords and formats of served requests that were not fully "
+                                    "enforced: kind annotation (unknown keyword, format without a grammar), "
+                                    "narrowed, or not_enforced (strict=false)", ["kind", "name"], registry=r)
+        self._schema_seen: set[tuple[str, str]] = set()
         r.register(_EngineCollector(engine))
 
     def observe_finished(self, endpoint: str, out: RequestOutput) -> None:
@@ -65,6 +70,20 @@ class ServerMetrics:
             self.latency.observe(out.metrics["latency_s"])
         if "ttft_s" in out.metrics:
             self.ttft.observe(out.metrics["ttft_s"])
+        for kind, notes in (out.metrics.get("structured_output") or {}).items():
+            for name in {n.split(" at ", 1)[0].split(" (", 1)[0] for n in notes}:  # once per name and request
+                self.observe_schema_note(kind.rstrip("s"), name)
+
+    def observe_schema_note(self, kind: str, name: str) -> None:
+        """Count a schema keyword or format (`format:NAME`) that was not fully enforced; names come from
+        clients' schemas, so at most MAX_UNKNOWN_FIELD_LABELS get their own label."""
+        key = (kind, name[:MAX_FIELD_LABEL_CHARS])
+        if key not in self._schema_seen:
+            if len(self._schema_seen) >= MAX_UNKNOWN_FIELD_LABELS:
+                key = (kind, OTHER_FIELD)
+            else:
+                self._schema_seen.add(key)
+        self.schema_notes.labels(*key).inc()
 
     def observe_rejected(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, f"http_{status}").inc()

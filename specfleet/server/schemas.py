@@ -170,7 +170,7 @@ class JsonSchemaFormat(_Strict):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
-    strict: bool | None = None  # true: a schema keyword the engine does not implement is a 400
+    strict: bool | None = None  # false: generate under the enforceable part of the schema (runtime/json_schema.py)
 
     @classmethod
     def known_fields(cls) -> set[str]:
@@ -280,7 +280,7 @@ class _SamplingFields(_Strict):
                                                                       "a json_schema object {name, schema, strict}")
             found.append(("response_format", _spec("response_format.json_schema",
                                                     **({"json_object": True} if js.schema_ is None else
-                                                       {"json": js.schema_}), strict=bool(js.strict))))
+                                                       {"json": js.schema_}), strict=js.strict)))
         so = self.structured_outputs
         if so is not None:
             given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),

@@ -7,6 +7,7 @@ it is complete, and streamed text cannot be taken back).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -107,11 +108,15 @@ def is_constrained(req: CompletionRequest | ChatCompletionRequest) -> bool:
 
 
 def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
-                       compiler: GrammarCompiler) -> StructuredOutputsParams | None:
+                       compiler: GrammarCompiler, relax_schemas: bool = False) -> StructuredOutputsParams | None:
     """The request's output constraint, checked by the model's grammar compiler (an invalid one raises
     InvalidRequestError, a 400): a forced tool call's grammar, or its structured-output field. Grammar
-    work (the compiler's first use builds its view of the tokenizer, seconds): not for the event loop."""
+    work (the compiler's first use builds its view of the tokenizer, seconds): not for the event loop.
+    `relax_schemas` (--unenforceable-schema relax): a JSON schema whose request leaves `strict` unsaid is
+    generated under its enforceable part instead of refused (runtime/json_schema.py)."""
     spec = req.structured_spec()
+    if relax_schemas and spec is not None and spec.kind == "json" and spec.strict is None:
+        spec = dataclasses.replace(spec, strict=False)
     if isinstance(req, ChatCompletionRequest):
         forced = req.forced_tools()
         if forced is not None:
@@ -287,7 +292,10 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceOu
 
 
 def _with_spec(body: dict[str, Any], choices: list[ChoiceOut]) -> dict[str, Any]:
-    """One choice: its speculation statistics as `spec`; several: each choice carries its own."""
+    """One choice: its speculation statistics as `spec`; several: each choice carries its own. A JSON
+    schema not fully enforced: `structured_output` says what was not (runtime/json_schema.py)."""
+    if choices and "structured_output" in choices[0].out.metrics:
+        body["structured_output"] = choices[0].out.metrics["structured_output"]
     if len(choices) == 1:
         body["spec"] = spec_block(choices[0].out)
     else:
@@ -307,6 +315,8 @@ def chunk(response_id: str, created: int, model: str, obj: str, index: int, fiel
                      "finish_reason": (finish_reason or out.finish_reason) if is_final else None}]}
     if is_final:
         body["spec"] = spec_block(out)
+        if "structured_output" in out.metrics:
+            body["structured_output"] = out.metrics["structured_output"]
     return body
 
 
