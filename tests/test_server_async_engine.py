@@ -177,8 +177,19 @@ def test_step_failure_is_loud_and_final(model, caplog):
 
 
 def test_shutdown_cancels_what_does_not_finish_in_time(model):
+    import time
+
+    engine = engine_for(model)
+    step = engine.step
+
+    def slow_step():  # a step slow enough that the request cannot reach the model's length in the grace time,
+        time.sleep(0.02)  # on a CPU of any speed (the tiny model's context is a few hundred tokens)
+        return step()
+
+    engine.step = slow_step
+
     async def main() -> None:
-        ae = AsyncEngine(engine_for(model), max_queue=4)
+        ae = AsyncEngine(engine, max_queue=4)
         ae.start()
         stream = ae.generate(random_prompts([5])[0], SamplingParams(temperature=0, max_tokens=10**6,
                                                                    ignore_eos=True), "forever")
