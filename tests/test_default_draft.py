@@ -7,7 +7,7 @@ from specfleet.strategies.grammar import parse
 
 def test_default_draft_per_device():
     assert default_draft(DEFAULT_MODEL, torch.device("cpu")) == "fleet(suffix,prompt-lookup)"
-    assert default_draft(DEFAULT_MODEL, torch.device("cuda:0")) == "qwen2.5-coder-0.5b-instruct"
+    assert default_draft(DEFAULT_MODEL, torch.device("cuda:0")) == "fleet(suffix,prompt-lookup)"
     assert default_draft(DEFAULT_MODEL, "cpu") == "fleet(suffix,prompt-lookup)"
     assert default_draft("smollm2-135m-instruct", torch.device("cpu")) is None
     # the default model by its alias gets the same default (it got none before: LLM("qwen-1.5b") was plain)
