@@ -159,6 +159,44 @@ ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
         }                                                                                         \
     }
 
+#define RTILE 32 /* activation rows per pass of a kernel that takes the row count at run time */
+
+/* The same for a format whose kernel FNR takes the row count at run time (up to RTILE rows per pass,
+ * its accumulators in memory): one activation row goes to FN with R = 1 (the decode step), more to FNR,
+ * which must give each row the bits FN gives it alone. */
+#define DEFINE_COLUMNS_RT(NAME, FN, FNR, XT)                                                      \
+    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
+                     const float *bias, int accumulate) {                                         \
+        if (c1 - c0 == 1) { /* one activation row (a decode step), as DEFINE_COLUMNS */            \
+            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
+            float *yr = y + c0 * ldy;                                                             \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                float v;                                                                          \
+                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
+                if (bias) v += bias[n];                                                           \
+                yr[n] = accumulate ? yr[n] + v : v;                                               \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
+        for (int64_t m0 = c0; m0 < c1; m0 += RTILE) {                                             \
+            const int R = (int)(c1 - m0 < RTILE ? c1 - m0 : RTILE);                               \
+            const XT *xs[RTILE];                                                                  \
+            for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                float out[RTILE];                                                                 \
+                if (R == 1) FN(W + n * row_bytes, nb, xs, 1, out);                                \
+                else FNR(W + n * row_bytes, nb, xs, R, out);                                      \
+                for (int r = 0; r < R; r++) {                                                     \
+                    float v = out[r];                                                             \
+                    if (bias) v += bias[n];                                                       \
+                    float *dst = y + (m0 + r) * ldy + n;                                          \
+                    *dst = accumulate ? *dst + v : v;                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
 /* The same with weight rows taken two at a time where an activation tile has more than one row: FN2
  * (rows n and n + 1, one pass over both) must give each row the bits FN gives it alone (the odd last
  * row of a range and one-row calls take FN). */

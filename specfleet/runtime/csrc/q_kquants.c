@@ -392,6 +392,63 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
+/* Many activation rows (R at run time, 2..RTILE; DEFINE_COLUMNS_RT): the block's eight registers are
+ * unpacked once and held in registers while the rows take their turns. A row's turn is one fixed
+ * instruction sequence (inline assembly: GCC's own schedule interleaved the rows, kept their partial
+ * sums live and spilled the unpacked weights): its eight products summed in int16 (exact in any order,
+ * see above), the pairs of each dword summed (madd with ones: the sub-block totals), then q4k_block_acc's
+ * instructions, mul, fnmadd, fmadd, into the row's accumulator, which stays in memory between blocks.
+ * So a row gets the bits dot_q4_k gives it alone. Operand offsets: xq256's q at 0, fsum at 256, d at 320. */
+_Static_assert(__builtin_offsetof(xq256, fsum) == 256 && __builtin_offsetof(xq256, d) == 320, "xq256 layout");
+static void rows_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    __m256 acc[RTILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const b_q4_k *w = (const b_q4_k *)wrow;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q4_k));
+        __m256 fd, fm;
+        q4k_float_scales(&w[b], &fd, &fm);
+        __m256i q[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
+            q[c] = _mm256_and_si256(v, m4);
+            q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m256i p, t, u;
+            __asm__("vpmaddubsw 0(%[x]), %[q0], %[p]\n\t"
+                    "vpmaddubsw 128(%[x]), %[q4], %[t]\n\t"
+                    "vpmaddubsw 32(%[x]), %[q1], %[u]\n\t"
+                    "vpaddw %[u], %[p], %[p]\n\t"
+                    "vpmaddubsw 160(%[x]), %[q5], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpmaddubsw 64(%[x]), %[q2], %[u]\n\t"
+                    "vpaddw %[u], %[p], %[p]\n\t"
+                    "vpmaddubsw 192(%[x]), %[q6], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpmaddubsw 96(%[x]), %[q3], %[u]\n\t"
+                    "vpaddw %[u], %[p], %[p]\n\t"
+                    "vpmaddubsw 224(%[x]), %[q7], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpaddw %[t], %[p], %[p]\n\t"
+                    "vpmaddwd %[ones], %[p], %[p]\n\t"
+                    "vcvtdq2ps %[p], %[p]\n\t"
+                    "vmulps %[fd], %[p], %[p]\n\t"
+                    "vfnmadd231ps 256(%[x]), %[fm], %[p]\n\t"
+                    "vbroadcastss 320(%[x]), %[t]\n\t"
+                    "vfmadd213ps %[acc], %[t], %[p]\n\t"
+                    "vmovaps %[p], %[acc]"
+                    : [acc] "+m"(acc[r]), [p] "=&x"(p), [t] "=&x"(t), [u] "=&x"(u)
+                    : [x] "r"(xb), [q0] "x"(q[0]), [q1] "x"(q[1]), [q2] "x"(q[2]), [q3] "x"(q[3]), [q4] "x"(q[4]),
+                      [q5] "x"(q[5]), [q6] "x"(q[6]), [q7] "x"(q[7]), [ones] "x"(ones), [fd] "x"(fd), [fm] "x"(fm),
+                      "m"(*(const char(*)[sizeof(xq256)])xb));
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
 ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q6_k *w = (const b_q6_k *)wrow;
@@ -435,17 +492,88 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
+/* Q6_K for many activation rows (as rows_q4_k): the eight registers unpacked once per block, then one
+ * fixed instruction sequence per row, dot_q6_k's integers (register pairs summed in int16, times the
+ * scales by madd, the -32 offset through bsum) and its fp32 instructions (cvt, d * d_x, fmadd). Offsets:
+ * bsum at 288, d at 320. */
+_Static_assert(__builtin_offsetof(xq256, bsum) == 288, "xq256 layout");
+static void rows_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    __m256 acc[RTILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const b_q6_k *w = (const b_q6_k *)wrow;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q6_k));
+        const float d = h2f(w[b].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
+        const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));
+        const __m256i s_last = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, odd));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i q[8];
+        for (int g = 0; g < 2; g++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w[b].qh + 32 * g));
+            for (int i = 0; i < 4; i++) {
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * i));
+                q[4 * g + i] = _mm256_or_si256(g ? _mm256_and_si256(_mm256_srli_epi16(l, 4), m4) : _mm256_and_si256(l, m4), q6_top(h, i));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m256i p, t, u;
+            __asm__("vpmaddubsw 0(%[x]), %[q0], %[p]\n\t"
+                    "vpmaddubsw 32(%[x]), %[q1], %[t]\n\t"
+                    "vpaddw %[t], %[p], %[p]\n\t"
+                    "vpmaddwd %[sf], %[p], %[p]\n\t"
+                    "vpmaddubsw 64(%[x]), %[q2], %[t]\n\t"
+                    "vpmaddubsw 96(%[x]), %[q3], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpmaddwd %[sf], %[t], %[t]\n\t"
+                    "vpaddd %[t], %[p], %[p]\n\t"
+                    "vpmaddubsw 128(%[x]), %[q4], %[t]\n\t"
+                    "vpmaddubsw 160(%[x]), %[q5], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpmaddwd %[sl], %[t], %[t]\n\t"
+                    "vpaddd %[t], %[p], %[p]\n\t"
+                    "vpmaddubsw 192(%[x]), %[q6], %[t]\n\t"
+                    "vpmaddubsw 224(%[x]), %[q7], %[u]\n\t"
+                    "vpaddw %[u], %[t], %[t]\n\t"
+                    "vpmaddwd %[sl], %[t], %[t]\n\t"
+                    "vpaddd %[t], %[p], %[p]\n\t"
+                    "vmovdqu 288(%[x]), %[t]\n\t"
+                    "vpmaddwd %[sc16], %[t], %[t]\n\t"
+                    "vpslld $5, %[t], %[t]\n\t"
+                    "vpsubd %[t], %[p], %[p]\n\t"
+                    "vcvtdq2ps %[p], %[p]\n\t"
+                    "vmulss 320(%[x]), %x[d], %x[t]\n\t"
+                    "vbroadcastss %x[t], %[t]\n\t"
+                    "vfmadd213ps %[acc], %[t], %[p]\n\t"
+                    "vmovaps %[p], %[acc]"
+                    : [acc] "+m"(acc[r]), [p] "=&x"(p), [t] "=&x"(t), [u] "=&x"(u)
+                    : [x] "r"(xb), [q0] "x"(q[0]), [q1] "x"(q[1]), [q2] "x"(q[2]), [q3] "x"(q[3]), [q4] "x"(q[4]),
+                      [q5] "x"(q[5]), [q6] "x"(q[6]), [q7] "x"(q[7]), [sf] "x"(s_first), [sl] "x"(s_last),
+                      [sc16] "m"(sc16), [d] "x"(d), "m"(*(const char(*)[sizeof(xq256)])xb));
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
 #endif /* SF_VNNI */
 
 #ifdef SF_VNNI512
 DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
-#else
+#elif defined(SF_VNNI)
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
+#else
+DEFINE_COLUMNS_RT(cols_q4_k, dot_q4_k, rows_q4_k, xq256)
 #endif
 #ifdef SF_VNNI512
 DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
-#else
+#elif defined(SF_VNNI)
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
+#else
+DEFINE_COLUMNS_RT(cols_q6_k, dot_q6_k, rows_q6_k, xq256)
 #endif
 
 cols_fn sfq_kquant_columns(int type) {
