@@ -258,6 +258,68 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     }
     pair_out(acc, R, out0, out1);
 }
+/* dot2_q4_k for many activation rows (R at run time, up to RTILE; DEFINE_COLUMNS_PAIRED_RT): the two
+ * rows' unpacked registers stay in registers and each activation row runs one fixed instruction
+ * sequence (inline assembly, as AVX2's rows_q4_k), its accumulator in memory between blocks. Lane by
+ * lane it is dot2_q4_k's sequence, so q4k_block_acc's: the same bits. */
+static void rows2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                       float *out0, float *out1) {
+    __m512 acc[RTILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q4_k));
+        stream_ahead(&w1[b], sizeof(b_q4_k));
+        __m256 fd0, fm0, fd1, fm1;
+        q4k_float_scales(&w0[b], &fd0, &fm0);
+        q4k_float_scales(&w1[b], &fd1, &fm1);
+        const __m512 fd = pair_f(fd0, fd1), fm = pair_f(fm0, fm1);
+        __m512i q[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qs + 32 * c)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qs + 32 * c)));
+            q[c] = _mm512_and_si512(v, m4);
+            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i p, t, u;
+            __m512i v;
+            __asm__("vpxord %[p], %[p], %[p]\n\t"
+                    "vpxord %[v], %[v], %[v]\n\t"
+                    "vbroadcasti64x4 0(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 128(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q0], %[p]\n\t"
+                    "vpdpbusd %[u], %[q4], %[v]\n\t"
+                    "vbroadcasti64x4 32(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 160(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q1], %[p]\n\t"
+                    "vpdpbusd %[u], %[q5], %[v]\n\t"
+                    "vbroadcasti64x4 64(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 192(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q2], %[p]\n\t"
+                    "vpdpbusd %[u], %[q6], %[v]\n\t"
+                    "vbroadcasti64x4 96(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 224(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q3], %[p]\n\t"
+                    "vpdpbusd %[u], %[q7], %[v]\n\t"
+                    "vpaddd %[v], %[p], %[p]\n\t"
+                    "vcvtdq2ps %[p], %[p]\n\t"
+                    "vmulps %[fd], %[p], %[p]\n\t"
+                    "vbroadcastf64x4 256(%[x]), %[t]\n\t"
+                    "vfnmadd231ps %[t], %[fm], %[p]\n\t"
+                    "vbroadcastss 320(%[x]), %[u]\n\t"
+                    "vfmadd213ps %[acc], %[u], %[p]\n\t"
+                    "vmovaps %[p], %[acc]"
+                    : [acc] "+m"(acc[r]), [p] "=&v"(p), [t] "=&v"(t), [u] "=&v"(u), [v] "=&v"(v)
+                    : [x] "r"(xb), [q0] "v"(q[0]), [q1] "v"(q[1]), [q2] "v"(q[2]), [q3] "v"(q[3]), [q4] "v"(q[4]),
+                      [q5] "v"(q[5]), [q6] "v"(q[6]), [q7] "v"(q[7]), [fd] "v"(fd), [fm] "v"(fm),
+                      "m"(*(const char(*)[sizeof(xq256)])xb));
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
 #endif
 
 /* Q6_K: registers in activation order; the first half (x registers 0..3) holds the first 16 weights
@@ -359,6 +421,75 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
             const __m512i off = _mm512_madd_epi16(sc16, both_i(xb->bsum));
             const __m512i p = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
+/* dot2_q6_k for many activation rows (as rows2_q4_k): lane by lane dot2_q6_k's sequence, so dot_q6_k's bits */
+static void rows2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                       float *out0, float *out1) {
+    __m512 acc[RTILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q6_k));
+        stream_ahead(&w1[b], sizeof(b_q6_k));
+        const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
+        const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
+        const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
+        const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+        const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
+        __m512i q[8], l[4];
+        for (int i = 0; i < 4; i++)
+            l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i)),
+                          _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i)));
+        for (int g = 0; g < 2; g++) {
+            const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g)));
+            const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
+                                    _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
+            for (int i = 0; i < 4; i++)
+                q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i f, h, t, u;
+            __asm__("vpxord %[f], %[f], %[f]\n\t"
+                    "vpxord %[h], %[h], %[h]\n\t"
+                    "vbroadcasti64x4 0(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 128(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q0], %[f]\n\t"
+                    "vpdpbusd %[u], %[q4], %[h]\n\t"
+                    "vbroadcasti64x4 32(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 160(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q1], %[f]\n\t"
+                    "vpdpbusd %[u], %[q5], %[h]\n\t"
+                    "vbroadcasti64x4 64(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 192(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q2], %[f]\n\t"
+                    "vpdpbusd %[u], %[q6], %[h]\n\t"
+                    "vbroadcasti64x4 96(%[x]), %[t]\n\t"
+                    "vbroadcasti64x4 224(%[x]), %[u]\n\t"
+                    "vpdpbusd %[t], %[q3], %[f]\n\t"
+                    "vpdpbusd %[u], %[q7], %[h]\n\t"
+                    "vpmulld %[sf], %[f], %[f]\n\t"
+                    "vpmulld %[sl], %[h], %[h]\n\t"
+                    "vpaddd %[h], %[f], %[f]\n\t"
+                    "vbroadcasti64x4 288(%[x]), %[t]\n\t"
+                    "vpmaddwd %[sc16], %[t], %[t]\n\t"
+                    "vpslld $5, %[t], %[t]\n\t"
+                    "vpsubd %[t], %[f], %[f]\n\t"
+                    "vcvtdq2ps %[f], %[f]\n\t"
+                    "vmulps 320(%[x])%{1to16%}, %[dw], %[t]\n\t"
+                    "vfmadd213ps %[acc], %[t], %[f]\n\t"
+                    "vmovaps %[f], %[acc]"
+                    : [acc] "+m"(acc[r]), [f] "=&v"(f), [h] "=&v"(h), [t] "=&v"(t), [u] "=&v"(u)
+                    : [x] "r"(xb), [q0] "v"(q[0]), [q1] "v"(q[1]), [q2] "v"(q[2]), [q3] "v"(q[3]), [q4] "v"(q[4]),
+                      [q5] "v"(q[5]), [q6] "v"(q[6]), [q7] "v"(q[7]), [sf] "v"(s_first), [sl] "v"(s_last),
+                      [sc16] "v"(sc16), [dw] "v"(dw), "m"(*(const char(*)[sizeof(xq256)])xb));
         }
     }
     pair_out(acc, R, out0, out1);
@@ -562,14 +693,14 @@ static void rows_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, in
 #endif /* SF_VNNI */
 
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
+DEFINE_COLUMNS_PAIRED_RT(cols_q4_k, dot_q4_k, rows2_q4_k, xq256)
 #elif defined(SF_VNNI)
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
 #else
 DEFINE_COLUMNS_RT(cols_q4_k, dot_q4_k, rows_q4_k, xq256)
 #endif
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
+DEFINE_COLUMNS_PAIRED_RT(cols_q6_k, dot_q6_k, rows2_q6_k, xq256)
 #elif defined(SF_VNNI)
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
 #else
