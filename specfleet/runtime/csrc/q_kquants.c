@@ -37,7 +37,14 @@
  * scales multiply those int32 totals (vpmulld). That is the same integer as the AVX2 path's madd of the
  * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
  * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
- * int16 adds and 1 to 4 madds. */
+ * int16 adds and 1 to 4 madds.
+ *
+ * Several activation rows (verification, prefill): rows_q4_k / rows_q6_k (AVX2) and rows2_q4_k /
+ * rows2_q6_k (AVX512-VNNI, two weight rows per 512-bit register) unpack a weight block once, hold it in
+ * registers, and run each row through one fixed inline-asm sequence, its accumulator in memory, up to
+ * RTILE rows per pass. Per row and block that is the floor of this design: on Zen 5 maddubs, madd,
+ * vpdpbusd, mul and FMA share two pipes, so AVX2 Q4_K needs 12 of those per row and block (8 maddubs,
+ * 1 madd, mul, fnmadd, fmadd: 6 cycles), Q6_K 15. */
 #include "q_common.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
