@@ -45,6 +45,7 @@ from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.runtime.block_manager import BlockManager
+from specfleet.runtime.grammar import Matcher
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 
@@ -223,6 +224,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: Matcher | None = None  # built off the engine thread (Engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -306,8 +308,11 @@ class AsyncEngine:
             buf.fail(EngineUnavailableError("the server shut down before this request finished"))
 
     # -- requests (loop thread) --------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> "RequestStream":
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 grammar: Matcher | None = None) -> "RequestStream":
         """Admit a request and return its stream of cumulative outputs (the last one has finished=True).
+        `grammar`: the request's matcher, compiled by the caller off the engine thread (the engine
+        thread steps every request, so it compiles nothing a client sent when it is given).
 
         Admission is checked here, synchronously, so a caller can answer 429/503 before it starts a
         response. Errors found by the engine itself (bad prompt) are raised from the iterator.
@@ -326,7 +331,7 @@ class AsyncEngine:
         self._queued.add(request_id)
         self._idle.clear()
         prompt = list(prompt_token_ids)
-        self._commands.put(_Add(request_id, prompt, params))
+        self._commands.put(_Add(request_id, prompt, params, grammar))
         return RequestStream(self, request_id, buf, prompt)
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -445,7 +450,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.grammar)
         except Exception as e:  # noqa: BLE001 -- a bad request fails alone; the engine state is unchanged
             if not isinstance(e, SpecfleetError):
                 logger.exception("add_request(%s) failed", cmd.request_id)

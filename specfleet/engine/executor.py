@@ -185,7 +185,8 @@ class StepExecutor:
 
     def _register(self, req: Request) -> None:
         """Offer the request's full blocks of computed (final) KV to the prefix cache."""
-        self.blocks.register(req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes)
+        self.blocks.register(req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes,
+                             req.params.cache_salt)
 
     def output(self, req: Request) -> RequestOutput:
         text = self.stop_checker.text(req)

@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -149,30 +150,93 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     return found
 
 
-class GrammarCompiler:
-    """Turns constraints into matchers for one tokenizer; grammars are checked once and cached by text."""
+# The compiled grammars a compiler keeps, least recently used first out, within this many bytes. Each
+# entry is counted as its grammar's text plus GRAMMAR_ENTRY_OVERHEAD for the compiled matcher, so a
+# stream of distinct large schemas costs at most this much, however many a client sends.
+DEFAULT_GRAMMAR_CACHE_BYTES = 32 << 20
+GRAMMAR_ENTRY_OVERHEAD = 64 << 10
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
+
+class _Compiled:
+    """One constraint, checked and compiled: its grammar text, its error ("" when valid), and a matcher
+    in its start state whose first mask was already computed (copied for each request)."""
+
+    __slots__ = ("text", "error", "prototype", "nbytes", "lock")
+
+    def __init__(self, text: str, error: str, prototype: Any, nbytes: int):
+        self.text, self.error, self.prototype, self.nbytes = text, error, prototype, nbytes
+        self.lock = threading.Lock()  # llguidance matchers are not to be used from two threads at once
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """A digest that tells constraints apart (the cache key): kind, value and options."""
+    value = getattr(spec, spec.kind)
+    raw = json.dumps([spec.kind, value, spec.strict, spec.disable_any_whitespace], sort_keys=True,
+                     ensure_ascii=False, default=str)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class GrammarCompiler:
+    """Turns constraints into matchers for one tokenizer. Compiling (the grammar text, its check, the
+    matcher and its first mask) is the slow part, seconds for a megabyte regex: callers that serve other
+    requests meanwhile do it on another thread (`compile`, then hand the `matcher` to the engine). Compiled
+    grammars are kept in an LRU under `cache_bytes` (DEFAULT_GRAMMAR_CACHE_BYTES)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
         self.vocab_size = vocab_size
         self.lltok = ll_tokenizer(tokenizer, vocab_size)
         self.eos_token_ids = sorted({*eos_token_ids, *self.lltok.eos_tokens})
-        self._checked: dict[str, str] = {}  # grammar text -> "" or its error
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, _Compiled] = OrderedDict()  # spec_key -> compiled, oldest use first
+        self._cached_bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache counts now (always <= cache_bytes, but for one entry larger than it alone)."""
+        return self._cached_bytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def compile(self, spec: StructuredOutputsParams) -> _Compiled:
+        """The checked, compiled constraint (from the cache, or built and cached now); InvalidRequestError
+        (a 400 at the server) when it is not valid."""
+        key = spec_key(spec)
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+        if found is None:
+            found = self._build(spec)
+            with self._lock:
+                if key not in self._cache:
+                    self._cache[key] = found
+                    self._cached_bytes += found.nbytes
+                    while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                        _, old = self._cache.popitem(last=False)
+                        self._cached_bytes -= old.nbytes
+        if found.error:
+            raise InvalidRequestError(f"invalid {spec.kind} constraint: {found.error.strip().splitlines()[0]}")
+        return found
+
+    def _build(self, spec: StructuredOutputsParams) -> _Compiled:
+        text = grammar_text(spec)
+        ll = _llguidance().LLMatcher
+        is_error, messages = ll.validate_grammar_with_warnings(text, self.lltok)
+        error = (messages[0] if messages else "invalid grammar") if is_error else ""
+        prototype = None
+        if not error:
+            prototype = ll(self.lltok, text, log_level=0)
+            if prototype.is_error():
+                error = prototype.get_error()
+            else:
+                prototype.compute_bitmask()  # the first mask (builds the lexer's first states), off the caller's path
+        return _Compiled(text, error, prototype, len(text.encode("utf-8", "surrogatepass")) + GRAMMAR_ENTRY_OVERHEAD)
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The checked grammar of `spec`; InvalidRequestError (a 400 at the server) when it is not valid."""
-        text = grammar_text(spec)
-        with self._lock:
-            error = self._checked.get(text)
-        if error is None:
-            ll = _llguidance().LLMatcher
-            is_error, messages = ll.validate_grammar_with_warnings(text, self.lltok)
-            error = messages[0] if is_error else ""
-            with self._lock:
-                self._checked[text] = error
-        if error:
-            raise InvalidRequestError(f"invalid {spec.kind} constraint: {error.strip().splitlines()[0]}")
-        return text
+        return self.compile(spec).text
 
     def literal(self, text: str) -> str:
         """Lark for `text` written by this tokenizer: a text that is one special (added) token, such as
@@ -184,7 +248,8 @@ class GrammarCompiler:
         return lark_string(text)
 
     def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
-        return Matcher(self, self.grammar(spec))
+        """A fresh matcher for one request (a copy of the compiled one)."""
+        return Matcher(self, self.compile(spec))
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]]" = weakref.WeakKeyDictionary()
@@ -209,9 +274,13 @@ class Matcher:
     """One request's grammar state. It only ever holds committed tokens: `mask_rows` consumes a draft's
     paths and rolls them back."""
 
-    def __init__(self, compiler: GrammarCompiler, grammar: str):
+    def __init__(self, compiler: GrammarCompiler, grammar: "str | _Compiled"):
         self.compiler = compiler
-        self.m = _llguidance().LLMatcher(compiler.lltok, grammar, log_level=0)
+        if isinstance(grammar, _Compiled):
+            with grammar.lock:
+                self.m = grammar.prototype.deep_copy()
+        else:
+            self.m = _llguidance().LLMatcher(compiler.lltok, grammar, log_level=0)
         if self.m.is_error():
             raise InvalidRequestError(f"invalid grammar: {self.m.get_error().strip().splitlines()[0]}")
         self.vocab_size = compiler.vocab_size
