@@ -99,7 +99,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(cli
     assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded", r.text
 
 
-def test_requests_beyond_the_preparing_bound_get_429_before_tokenization(llm, monkeypatch):
+def test_requests_beyond_the_queue_get_429_before_tokenization(llm, monkeypatch):
     gate, entered = threading.Event(), threading.Semaphore(0)
     real = llm.encode
 
@@ -109,7 +109,7 @@ def test_requests_beyond_the_preparing_bound_get_429_before_tokenization(llm, mo
         return real(text)
 
     monkeypatch.setattr(llm, "encode", slow_encode)
-    config = ServerConfig("m", tokenizer_workers=2, max_preparing=3)
+    config = ServerConfig("m", tokenizer_workers=2, max_queue=3)  # requests being prepared count against it
     with TestClient(create_app(llm, config)) as c, ThreadPoolExecutor(3) as pool:
         held = [pool.submit(c.post, "/v1/completions", json=completion()) for _ in range(3)]
         for _ in range(2):  # two workers: two tokenize at once (a third waits for a worker)

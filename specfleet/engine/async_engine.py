@@ -43,7 +43,8 @@ from typing import Mapping
 from specfleet.core.proposer import DraftStats, DraftWeights, speculation_length
 from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
-from specfleet.outputs import RequestOutput, TokenLogprob
+from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob  # noqa: F401 -- OutputDelta: re-exported
+from specfleet.outputs import common_prefix_len as _common_prefix_len
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.grammar import Matcher
 from specfleet.sampling_params import SamplingParams
@@ -106,36 +107,6 @@ class EngineSnapshot:
 
 
 @dataclass
-class OutputDelta:
-    """What one step added to a request's output (see the module docstring)."""
-
-    request_id: str
-    text_keep: int  # characters of the text sent so far that stay
-    text: str  # appended after them
-    token_ids: list[int]
-    token_origins: list[str]
-    logprobs: list[TokenLogprob] | None  # entries for the new tokens (None when not asked for)
-    prompt_logprobs: list[TokenLogprob | None] | None  # the whole list, when it changed; else None
-    finished: bool
-    finish_reason: str | None
-    metrics: dict
-
-    def merge(self, later: "OutputDelta") -> None:
-        """Fold a later delta into this one (a full buffer keeps its length this way)."""
-        if later.text_keep <= self.text_keep:
-            self.text_keep, self.text = later.text_keep, later.text
-        else:
-            self.text = self.text[:later.text_keep - self.text_keep] + later.text
-        self.token_ids = self.token_ids + later.token_ids
-        self.token_origins = self.token_origins + later.token_origins
-        if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        if later.prompt_logprobs is not None:
-            self.prompt_logprobs = later.prompt_logprobs
-        self.finished, self.finish_reason, self.metrics = later.finished, later.finish_reason, later.metrics
-
-
-@dataclass
 class _Sent:
     """Engine thread: what was already sent of one request's output."""
 
@@ -143,27 +114,6 @@ class _Sent:
     num_tokens: int = 0
     num_logprobs: int = 0
     num_prompt_logprobs: int = 0
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    """len of the longest common prefix; fast when they differ only near the end (a text's tail changes)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    step, ok = 1, n
-    while True:  # back off in doubling steps until a prefix matches, then bisect
-        lo = max(0, n - step)
-        if a[:lo] == b[:lo]:
-            break
-        ok, step = lo, step * 2
-    hi = ok  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def to_delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
@@ -403,9 +353,15 @@ class AsyncEngine:
             self._sent.clear()
             self._publish_snapshot()
 
-    def _deltas(self, outputs: list[RequestOutput]) -> list[OutputDelta]:
+    def _deltas(self, outputs: list[RequestOutput | OutputDelta]) -> list[OutputDelta]:
+        """The step's outputs as deltas: the executor makes them itself for the requests added here
+        (Request.emit_deltas: O(new tokens) per step, not O(output)); a cumulative output (an engine
+        without that) is diffed against what was sent."""
         deltas = []
         for out in outputs:
+            if isinstance(out, OutputDelta):
+                deltas.append(out)
+                continue
             sent = self._sent.setdefault(out.request_id, _Sent())
             deltas.append(to_delta(out, sent))
             if out.finished:
@@ -450,7 +406,8 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.grammar)
+            req = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.grammar)
+            req.emit_deltas = True  # the executor sends what each step added (OutputDelta), see _deltas
         except Exception as e:  # noqa: BLE001 -- a bad request fails alone; the engine state is unchanged
             if not isinstance(e, SpecfleetError):
                 logger.exception("add_request(%s) failed", cmd.request_id)

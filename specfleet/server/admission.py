@@ -5,8 +5,9 @@ A request is *prepared* from the moment its body is parsed until its choices are
 queue: tokenizing, rendering the chat template, compiling its grammar, all on the tokenizer workers.
 Without a bound there, a burst of oversized requests fills the workers' queue and a 4-token request
 waits behind all of them, only for them to be refused afterwards. So (as vLLM's and llama-server's
-front ends bound their queues): a request that would take the preparing count past `max_preparing`,
-or the engine's queue past its `max_queue`, gets a 429 at once, before it is tokenized.
+front ends bound their queues): requests being prepared count against the engine's `max_queue` with
+those waiting for their first token, and one that would take that past `max_queue` (or the preparing
+count past `max_preparing`) gets a 429 at once, before it is tokenized.
 
 `PromptLengthBound` refuses prompts that cannot fit the context without tokenizing them whole: a
 token's text is at most the longest token's bytes (times 4 for normalizers, which can shrink text),

@@ -62,7 +62,7 @@ class ServerConfig:
     # tokenizer / template / grammar work runs on these threads, off the event loop and the engine thread
     tokenizer_workers: int = 2
     # requests being prepared (tokenized, grammars compiled) at once; one more gets 429 before any work
-    # (None: 4 per tokenizer worker)
+    # (None: max_queue; requests being prepared also count against max_queue, server/admission.py)
     max_preparing: int | None = None
     # Host names served without an API key besides localhost, IPs and this machine's name ("*": any)
     allowed_hosts: tuple[str, ...] = ()
@@ -78,7 +78,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     if config.tokenizer_workers < 1:
         raise InvalidRequestError(f"tokenizer_workers must be >= 1, got {config.tokenizer_workers}")
     tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer")
-    admission = Admission(engine, config.max_preparing or 4 * config.tokenizer_workers)
+    admission = Admission(engine, config.max_preparing or config.max_queue)
     length_bound = PromptLengthBound(llm.tokenizer, llm.engine.max_model_len)
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
