@@ -155,17 +155,24 @@ def ll_tokenizer(tokenizer, vocab_size: int):
 # stream of distinct large schemas costs at most this much, however many a client sends.
 DEFAULT_GRAMMAR_CACHE_BYTES = 32 << 20
 GRAMMAR_ENTRY_OVERHEAD = 64 << 10
+# a grammar whose text is longer is not kept: its compiled states can take hundreds of MB (a 1.3 MB regex
+# literal: ~200 MB once its first mask is computed), far more than its text says; such a constraint is
+# compiled again, on a worker, by each request that sends it
+MAX_CACHED_GRAMMAR_CHARS = 128 << 10
 
 
 class _Compiled:
     """One constraint, checked and compiled: its grammar text, its error ("" when valid), and a matcher
     in its start state whose first mask was already computed (copied for each request)."""
 
-    __slots__ = ("text", "error", "prototype", "nbytes", "lock")
+    __slots__ = ("text", "error", "prototype", "nbytes", "lock", "first_mask")
 
     def __init__(self, text: str, error: str, prototype: Any, nbytes: int):
         self.text, self.error, self.prototype, self.nbytes = text, error, prototype, nbytes
         self.lock = threading.Lock()  # llguidance matchers are not to be used from two threads at once
+        # [vocab] bool: the tokens allowed first. Computed once, here, off the engine thread: a matcher
+        # copied from the prototype computes it again otherwise (0.2 s for a 1.3 MB regex literal)
+        self.first_mask: torch.Tensor | None = None
 
 
 def spec_key(spec: StructuredOutputsParams) -> str:
@@ -210,7 +217,7 @@ class GrammarCompiler:
         if found is None:
             found = self._build(spec)
             with self._lock:
-                if key not in self._cache:
+                if key not in self._cache and (found.error or len(found.text) <= MAX_CACHED_GRAMMAR_CHARS):
                     self._cache[key] = found
                     self._cached_bytes += found.nbytes
                     while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
@@ -230,9 +237,11 @@ class GrammarCompiler:
             prototype = ll(self.lltok, text, log_level=0)
             if prototype.is_error():
                 error = prototype.get_error()
-            else:
-                prototype.compute_bitmask()  # the first mask (builds the lexer's first states), off the caller's path
-        return _Compiled(text, error, prototype, len(text.encode("utf-8", "surrogatepass")) + GRAMMAR_ENTRY_OVERHEAD)
+        compiled = _Compiled(text, error, prototype, len(text.encode("utf-8", "surrogatepass"))
+                             + GRAMMAR_ENTRY_OVERHEAD + self.vocab_size)
+        if not error:
+            compiled.first_mask = Matcher(self, compiled).allowed()
+        return compiled
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The checked grammar of `spec`; InvalidRequestError (a 400 at the server) when it is not valid."""
@@ -250,6 +259,9 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
         """A fresh matcher for one request (a copy of the compiled one)."""
         return Matcher(self, self.compile(spec))
+
+
+_MAX_TOKEN_BYTES = 64  # forced_tokens: bytes tokenized per token wanted (more than any token's text)
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]]" = weakref.WeakKeyDictionary()
@@ -276,9 +288,11 @@ class Matcher:
 
     def __init__(self, compiler: GrammarCompiler, grammar: "str | _Compiled"):
         self.compiler = compiler
+        self._first_mask = None
         if isinstance(grammar, _Compiled):
             with grammar.lock:
                 self.m = grammar.prototype.deep_copy()
+            self._first_mask = grammar.first_mask
         else:
             self.m = _llguidance().LLMatcher(compiler.lltok, grammar, log_level=0)
         if self.m.is_error():
@@ -286,6 +300,7 @@ class Matcher:
         self.vocab_size = compiler.vocab_size
         self._words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
         self.num_tokens = 0  # committed tokens consumed
+        self._trial = 0  # tokens mask_rows consumed on a draft's path (rolled back after)
         self.broken = False  # a committed token the grammar refused (a stop token after the end, an EOS)
 
     # -- committed tokens ------------------------------------------------------------------------
@@ -314,7 +329,13 @@ class Matcher:
         forced = self.m.compute_ff_bytes()
         if not forced:
             return []
-        tokens = self.compiler.lltok.tokenize_bytes(forced)[:limit]
+        # only as many bytes as `limit` tokens can hold are tokenized (a long forced literal would cost
+        # O(its length) on the engine thread every step); the last token of a cut text may be cut too
+        cut = (limit + 2) * _MAX_TOKEN_BYTES
+        tokens = self.compiler.lltok.tokenize_bytes(forced[:cut])
+        if len(forced) > cut:
+            tokens = tokens[:-1]
+        tokens = tokens[:limit]
         n = self.m.validate_tokens(tokens)
         return tokens[:n]
 
@@ -325,6 +346,8 @@ class Matcher:
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens allowed next (every EOS id wherever one is)."""
         eos = self.compiler.eos_token_ids
+        if self._first_mask is not None and self.num_tokens == 0 and self._trial == 0 and not self.broken:
+            return self._first_mask.clone()
         if self.broken or self.m.is_error():
             out = torch.zeros(self.vocab_size, dtype=torch.bool)
             out[[t for t in eos if t < self.vocab_size]] = True
@@ -366,9 +389,11 @@ class Matcher:
                         out[j + 1].masked_fill_(~only_eos.to(out.device), neg)
                     continue
                 self.m.consume_token(tok)
+                self._trial += 1
                 try:
                     visit(c, self.allowed())
                 finally:
+                    self._trial -= 1
                     self.m.rollback(1)
 
         visit(-1, self.allowed())

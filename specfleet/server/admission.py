@@ -17,13 +17,22 @@ token, refused if that head alone has too many tokens.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import logging
 import math
+import os
+import threading
 from typing import Any, Callable, Iterator
 
 from specfleet.engine.async_engine import AsyncEngine, QueueFullError
 from specfleet.server.errors import APIError
 
+logger = logging.getLogger("specfleet.server")
+
+LARGE_BODY_BYTES = 256 << 10  # bodies parsed off the event loop, after which the heap is trimmed
 HEAD_CHARS_PER_TOKEN = 8  # a head this long per context token is tokenized first (bounded work)
 _HEAD_MARGIN = 16  # tokens: a cut word can tokenize a little differently at the head's end
 
@@ -102,3 +111,54 @@ class PromptLengthBound:
             if n > self.max_model_len + _HEAD_MARGIN:
                 raise self._too_long(n - _HEAD_MARGIN)
         return fn(text)
+
+
+class HeapTrim:
+    """Hands freed heap back to the system a moment after a large request (glibc's malloc_trim).
+
+    glibc keeps what a multi-megabyte body, its parsed copy and its prompt text occupied in its arenas
+    after they are freed (the worker threads' arenas too), so a burst of large requests, refused or not,
+    would leave the server's resident memory raised for good. One trim runs at a time, on a worker
+    thread, a second after the last large request; elsewhere than glibc this does nothing."""
+
+    DELAY_S = 1.0
+
+    def __init__(self) -> None:
+        self._trim = None
+        name = ctypes.util.find_library("c")
+        try:
+            self._trim = ctypes.CDLL(name).malloc_trim if name else None
+        except (OSError, AttributeError):  # not glibc
+            self._trim = None
+        self._pending: asyncio.TimerHandle | None = None
+
+    def after_large_request(self) -> None:
+        if self._trim is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pending = loop.call_later(self.DELAY_S, lambda: loop.run_in_executor(None, self._run))
+
+    def _run(self) -> None:
+        self._pending = None
+        try:
+            self._trim(0)
+        except Exception:  # noqa: BLE001 -- memory housekeeping must never fail a request
+            logger.debug("malloc_trim failed", exc_info=True)
+
+
+BACKGROUND_NICE = 10
+
+
+def background_priority() -> None:
+    """Run the calling thread (a tokenizer / grammar worker) at a lower CPU priority than the engine's.
+
+    Compiling a large grammar or tokenizing a long prompt takes a core for seconds; the engine's forward
+    passes run on every core (torch's threads), and one of them waiting for a core stalls the whole step,
+    so every stream would pay for one client's grammar. At nice 10 the kernel gives the engine's threads
+    the core first. Linux sets it per thread; elsewhere (or without the right) this does nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass

@@ -31,7 +31,8 @@ from specfleet.errors import InvalidRequestError
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
 from specfleet.server import serving
-from specfleet.server.admission import Admission, PromptLengthBound
+from specfleet.server.admission import (LARGE_BODY_BYTES, Admission, HeapTrim, PromptLengthBound,
+                                        background_priority)
 from specfleet.server.auth import ApiKeyMiddleware, HostAllowlistMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
@@ -77,8 +78,10 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine)
     if config.tokenizer_workers < 1:
         raise InvalidRequestError(f"tokenizer_workers must be >= 1, got {config.tokenizer_workers}")
-    tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer")
+    tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer",
+                                        initializer=background_priority)
     admission = Admission(engine, config.max_preparing or config.max_queue)
+    trim = HeapTrim()
     length_bound = PromptLengthBound(llm.tokenizer, llm.engine.max_model_len)
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
@@ -128,7 +131,12 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if body is None:
             body = await read_json(request)
         try:
-            req = schema.model_validate_json(body)
+            if len(body) > LARGE_BODY_BYTES:  # tens of ms of parsing (a 900k-id list): off the event loop,
+                req = await asyncio.get_running_loop().run_in_executor(  # which writes every stream's tokens
+                    None, schema.model_validate_json, body)
+                request.state.large = True  # the heap is trimmed after it (serve)
+            else:
+                req = schema.model_validate_json(body)
         except ValidationError as e:
             message, param = describe_validation_error(e)
             raise APIError(400, message, param=param)
@@ -152,6 +160,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             err = body_too_large(config.max_body_bytes)
         except Exception as e:  # noqa: BLE001 -- mapped to a status; unexpected ones are logged
             err = api_error_from(e)
+        finally:
+            if getattr(request.state, "large", False):
+                trim.after_large_request()
         metrics.observe_rejected(endpoint, err.status)
         return err.response()
 
