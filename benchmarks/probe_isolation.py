@@ -154,18 +154,28 @@ def ttft_behind_long_prefill(base: str, long_words: int, shorts: int) -> dict:
     `long_words` tokens) is being prefilled."""
     short = "Hi there, how"
     idle = [ttft(base, short) for _ in range(shorts)]
-    long_prompt = " ".join(f"w{i % 997}" for i in range(long_words // 2))  # ~2 tokens a word
-    holder = threading.Thread(target=lambda: httpx.post(base + "/v1/completions", timeout=300, json={
-        "prompt": long_prompt, "max_tokens": 1, "temperature": 0}), daemon=True)
+    words = " ".join(f"w{i % 997}" for i in range(long_words))
+    counted = httpx.post(base + "/tokenize", json={"prompt": words}, timeout=60).json()["count"]
+    long_prompt = words[: int(len(words) * long_words / max(1, counted))]  # about long_words tokens
+    long_result: dict = {}
+
+    def hold() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", timeout=300, json={"prompt": long_prompt, "max_tokens": 1,
+                                                                    "temperature": 0})
+        long_result.update(status=r.status_code, seconds=time.monotonic() - t0,
+                           prompt_tokens=(r.json().get("usage") or {}).get("prompt_tokens"))
+
+    holder = threading.Thread(target=hold, daemon=True)
     holder.start()
-    time.sleep(0.3)
+    time.sleep(0.1)
     busy = []
     for _ in range(shorts):
         if not holder.is_alive():
             break
         busy.append(ttft(base, short))
     holder.join(300)
-    return {"short_ttft_idle_s": idle, "short_ttft_behind_long_s": busy, "long_prompt_words": long_words // 2}
+    return {"short_ttft_idle_s": idle, "short_ttft_behind_long_s": busy, "long": long_result}
 
 
 def attack_process(base: str, bodies: list[tuple[str, bytes]], channel) -> None:
@@ -259,9 +269,11 @@ def main() -> int:
             + md_table([{"gap s": w["gap_s"], "in flight": ", ".join(w["attacks_in_flight"]) or "-"} for w in worst],
                        ["gap s", "in flight"]))
     if prefill is not None:
+        lr = prefill["long"]
         body += (f"\n\nA 4-token request's time to first token: idle {', '.join(f'{x:.3f}' for x in prefill['short_ttft_idle_s'])} s; "
-                 f"while a prompt of {prefill['long_prompt_words']} words (about {args.long_tokens} tokens) is "
-                 f"prefilled: {', '.join(f'{x:.3f}' for x in prefill['short_ttft_behind_long_s']) or 'none measured'} s.")
+                 f"while a {lr.get('prompt_tokens')}-token prompt is prefilled (status {lr.get('status')}, "
+                 f"{lr.get('seconds', 0):.2f} s to its one token): "
+                 f"{', '.join(f'{x:.3f}' for x in prefill['short_ttft_behind_long_s']) or 'none measured'} s.")
     meta = run_metadata("isolation", dtype="float32")
     out_dir = RESULTS_DIR / f"isolation-cpu-{meta['timestamp_utc']}"
     json_path, _ = write_folder(out_dir, meta, payload, body)

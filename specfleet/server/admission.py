@@ -50,13 +50,13 @@ class Admission:
 
     @contextlib.contextmanager
     def preparing(self, num_choices: int) -> Iterator[None]:
-        if self.num_preparing >= self.max_preparing:
-            raise QueueFullError(f"{self.num_preparing} requests are already being prepared (tokenized) "
-                                 f"(max_preparing={self.max_preparing}); retry later")
         queued = self.engine.num_queued + self._num_choices
         if queued + min(num_choices, self.engine.max_queue) > self.engine.max_queue:
             raise QueueFullError(f"{queued} requests are already waiting or being prepared "
                                  f"(max_queue={self.engine.max_queue}); retry later")
+        if self.num_preparing >= self.max_preparing:
+            raise QueueFullError(f"{self.num_preparing} requests are already being prepared (tokenized) "
+                                 f"(max_preparing={self.max_preparing}); retry later")
         self.num_preparing += 1
         self._num_choices += num_choices
         try:
