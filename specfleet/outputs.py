@@ -32,3 +32,57 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class OutputDelta:
+    """What one step added to a request's output: the text as "keep `text_keep` characters of what was
+    sent, then append `text`" (stop strings and completed UTF-8 characters can change its tail), the new
+    tokens, origins and log-probabilities. The executor makes these for streamed requests
+    (engine/executor.py), the async engine's streams reassemble them (engine/async_engine.py)."""
+
+    request_id: str
+    text_keep: int  # characters of the text sent so far that stay
+    text: str  # appended after them
+    token_ids: list[int]
+    token_origins: list[str]
+    logprobs: list[TokenLogprob] | None  # entries for the new tokens (None when not asked for)
+    prompt_logprobs: list[TokenLogprob | None] | None  # the whole list, when it changed; else None
+    finished: bool
+    finish_reason: str | None
+    metrics: dict
+
+    def merge(self, later: "OutputDelta") -> None:
+        """Fold a later delta into this one (a full buffer keeps its length this way)."""
+        if later.text_keep <= self.text_keep:
+            self.text_keep, self.text = later.text_keep, later.text
+        else:
+            self.text = self.text[:later.text_keep - self.text_keep] + later.text
+        self.token_ids = self.token_ids + later.token_ids
+        self.token_origins = self.token_origins + later.token_origins
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.finish_reason, self.metrics = later.finished, later.finish_reason, later.metrics
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """len of the longest common prefix; fast when they differ only near the end (a text's tail changes)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    step, ok = 1, n
+    while True:  # back off in doubling steps until a prefix matches, then bisect
+        lo = max(0, n - step)
+        if a[:lo] == b[:lo]:
+            break
+        ok, step = lo, step * 2
+    hi = ok  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from specfleet.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+# every new token is tested against a request's stop ids (a set) and each of its n samples holds the
+# list: bounded so that no one request can make the engine thread, shared by all, slow or large
+MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # isolates this request's prefix-cache entries: only requests with the same salt share cached blocks
+    # (vLLM's `cache_salt`), so one client cannot learn from cache hits what prompts another sent
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +111,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: the engine tests every new token against it. Built once per list
+        (a request's n samples may share one list object)."""
+        ids = self.stop_token_ids
+        cached = self.__dict__.get("_stop_set")
+        if cached is None or cached[0] is not ids or cached[1] != len(ids):
+            cached = (ids, len(ids), frozenset(ids))
+            self.__dict__["_stop_set"] = cached
+        return cached[2]
 
     @property
     def is_greedy(self) -> bool:
@@ -128,8 +146,15 @@ class SamplingParams:
             bad(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        bad_id = next((t for t in self.stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0),
+                      None)
+        if bad_id is not None:
+            bad(f"stop_token_ids must be non-negative integers, got {bad_id!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):

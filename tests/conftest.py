@@ -47,3 +47,26 @@ def smollm2_checkpoint():
 
     path = real_model_path("smollm2-135m-instruct")
     return load_checkpoint(path, torch.float32)
+
+
+
+def _test_client_says_localhost() -> None:
+    """Starlette's TestClient sends `Host: testserver`, a name a keyless server refuses (the DNS rebinding
+    guard, server/auth.HostAllowlistMiddleware); the in-process tests talk as a local client would. A test
+    of the guard passes its own base_url. Patched once, at import, so module-scoped clients get it too."""
+    try:
+        from starlette.testclient import TestClient
+    except ImportError:
+        return
+    init = TestClient.__init__
+    if getattr(init, "_says_localhost", False):
+        return
+
+    def local_init(self, app, base_url: str = "http://localhost", *args, **kwargs):
+        init(self, app, base_url, *args, **kwargs)
+
+    local_init._says_localhost = True
+    TestClient.__init__ = local_init
+
+
+_test_client_says_localhost()

@@ -110,3 +110,30 @@ def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, ba
         assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
     if kind == "draft-chain":  # its verification steps and the draft model's chain steps too
         assert eng.runner.graphs.replays > len(prompts) and eng.proposer.runner.graphs.replays > 0
+
+
+def test_step_graphs_keep_their_outputs_within_the_memory_plan(routed, pair):
+    """Issue 44, item 9: each captured shape keeps its logits (and hidden states) allocated; together they
+    stay within RuntimeConfig.cuda_graph_bytes, and a shape that does not fit runs eagerly with the same
+    tokens. The plan is the same code on the CPU route as on a GPU."""
+    import copy
+    import dataclasses
+
+    target, _ = pair
+    batches = [repetitive_prompts(LENGTHS[3]), repetitive_prompts(LENGTHS[3])[:1]]  # shapes (4, 1, 1), (1, 1, 1)
+
+    def run(graphs: bool, **budget):
+        eng = _cpu_engine(copy.deepcopy(target).set_runtime(dataclasses.replace(target.runtime, cuda_graphs=graphs,
+                                                                                **budget)))
+        return eng, [[o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] for prompts in batches]
+
+    _, eager = run(False)
+    probe, _ = run(True)
+    unbounded = probe.runner.graphs
+    assert len(unbounded._shapes) >= 2  # unbounded, every shape keeps its buffers
+    one = max(unbounded.shape_bytes(k) for k in unbounded._shapes)
+    eng, outs = run(True, cuda_graph_bytes=one)
+    graphs = eng.runner.graphs
+    assert outs == eager
+    assert graphs.planned_bytes <= one and len(graphs._shapes) == 1
+    assert graphs.replays > 0 and graphs.over_budget > 0 and sum(unbounded.shape_bytes(k) for k in unbounded._shapes) > one

@@ -404,3 +404,91 @@ def test_real_smollm2_matches_transformers_gguf_loader(monkeypatch):
     with torch.no_grad():
         x = torch.tensor([ids])
         torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-4)
+
+
+# -- issue 44, item 10: damage that used to load and give NaN or garbage with no word -------------------
+def _poke_tensor_offset(path: Path, name: str, offset_of) -> None:
+    """Rewrite tensor `name`'s data offset (relative to the data section) in place: offset_of(reader, i)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    i = next(k for k, t in enumerate(reader.tensors) if t.name == name)
+    reader.tensors[i].field.parts[-1][0] = offset_of(reader, i)
+    reader.data.flush()
+    del reader
+
+
+def _relative(reader, i: int) -> int:
+    return int(reader.tensors[i].data_offset) - int(reader.data_offset)
+
+
+def test_misaligned_and_overlapping_gguf_tensors_are_refused(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model("llama"), "llama")
+    bad = tmp_path / "misaligned.gguf"
+    bad.write_bytes(path.read_bytes())
+    _poke_tensor_offset(bad, "blk.0.attn_norm.weight", lambda r, i: _relative(r, i) + 4)
+    with pytest.raises(ModelLoadError, match=r"misaligned\.gguf.*'blk\.0\.attn_norm\.weight'.*alignment"):
+        load_checkpoint(bad)
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(path.read_bytes())
+    _poke_tensor_offset(bad, "blk.0.attn_norm.weight", lambda r, i: _relative(r, i - 1))  # onto its neighbour
+    with pytest.raises(ModelLoadError, match=r"overlap\.gguf.*overlap"):
+        load_checkpoint(bad)
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    model = tiny_hf_model("qwen2")
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    path = tmp_path / "nan.gguf"
+    write_gguf(path, model, "qwen2")
+    with pytest.raises(ModelLoadError, match=r"nan\.gguf.*'output_norm\.weight'.*NaN"):
+        load_checkpoint(path)
+    # a block format's scale (fp16) set to infinity, in a file run as it is by the native kernels
+    good = tmp_path / "q8.gguf"
+    write_gguf(good, tiny_hf_model("qwen2"), "qwen2")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(good)
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")  # Q8_0: d is the block's first 2 bytes
+    start = int(t.data_offset) + 5 * 34
+    del reader
+    data = bytearray(good.read_bytes())
+    data[start:start + 2] = np.array([np.inf], dtype=np.float16).tobytes()
+    bad = tmp_path / "infscale.gguf"
+    bad.write_bytes(bytes(data))
+    from specfleet.runtime.gguf_loader import read_gguf_native
+
+    with pytest.raises(ModelLoadError, match=r"infscale\.gguf.*'blk\.1\.ffn_down\.weight'.*scales"):
+        read_gguf_native(bad)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
+    model = tiny_hf_model("llama")
+    tokens, _ = tiny_vocab()
+    model.resize_token_embeddings(len(tokens) - 3)
+    path = tmp_path / "short.gguf"
+    write_gguf(path, model, "llama")
+    with pytest.raises(ModelLoadError, match=rf"short\.gguf.*{len(tokens)} tokens.*{len(tokens) - 3} rows"):
+        load_checkpoint(path)
+    from specfleet.runtime.load import check_tokenizer_fits
+
+    class Tok:
+        def __len__(self):
+            return 10
+
+    check_tokenizer_fits(Tok(), 10, "m")
+    with pytest.raises(ModelLoadError, match="10 tokens.*9 rows"):
+        check_tokenizer_fits(Tok(), 9, "m")
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**6), ("num_hidden_layers", 0),
+                                        ("hidden_size", 2**30), ("vocab_size", 2**40),
+                                        ("max_position_embeddings", 2**40), ("num_key_value_heads", 0)])
+def test_hf_config_sizes_are_bounded_as_gguf_ones_are(tmp_path, key, value):
+    cfg = tiny_hf_model("qwen2").config.to_dict()
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=rf"{key}={value}.*out of range"):
+        load_checkpoint(tmp_path)

@@ -277,3 +277,37 @@ def test_metrics_expose_proposer_weights_and_per_draft_acceptance(model):
                  "specfleet_kv_blocks_free 64.0", 'specfleet_requests_total{endpoint="completions",outcome="length"} 1.0',
                  "specfleet_generation_tokens_total 12.0"]:
         assert line in text, line
+
+
+def test_streamed_requests_get_deltas_from_the_executor_not_whole_outputs(model):
+    """Issue 44, item 13: a streamed request's step output is what that step added (O(new tokens)), not
+    a copy of the whole output diffed afterwards (O(output) per step, O(n^2) per request on the engine
+    thread); the stream still reassembles exactly the offline output."""
+    prompts = random_prompts([5, 9])
+    want = run_to_completion(engine_for(model, num_blocks=512), prompts, LONG)
+    eng = engine_for(model, num_blocks=512)
+    whole, sizes = [], []
+    real_output, real_delta = eng.executor.output, eng.executor.delta
+
+    def output(req):
+        whole.append(req.request_id)
+        return real_output(req)
+
+    def delta(req):
+        d = real_delta(req)
+        sizes.append(len(d.token_ids))
+        return d
+
+    eng.executor.output, eng.executor.delta = output, delta
+
+    async def main() -> list[RequestOutput]:
+        ae = AsyncEngine(eng, max_queue=4)
+        ae.start()
+        outs = await asyncio.gather(*(collect(ae.generate(p, LONG, f"r{i}")) for i, p in enumerate(prompts)))
+        await ae.shutdown()
+        return [o[-1] for o in outs]
+
+    got = asyncio.run(main())
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert whole == []  # no cumulative output was built for a streamed request
+    assert sum(sizes) == sum(len(o.token_ids) for o in got) and max(sizes) <= 1  # no draft: one token a step

@@ -11,6 +11,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from specfleet.engine import async_engine
 from specfleet.llm import LLM
 from specfleet.server.app import ServerConfig, create_app
 from specfleet.server.chat import read_chat_template
@@ -145,7 +146,12 @@ def canned(llm: LLM, monkeypatch, text: str) -> None:
             return dataclasses.replace(out, text=text, finish_reason="stop")
         share = len(out.token_ids) / req.params.max_tokens
         return dataclasses.replace(out, text=text[:int(len(text) * share)])
+    sent: dict = {}
+
+    def delta(req):  # a served request's step output is a delta (executor.delta): the same canned text, diffed
+        return async_engine.to_delta(output(req), sent.setdefault(req.request_id, async_engine._Sent()))
     monkeypatch.setattr(executor, "output", output)
+    monkeypatch.setattr(executor, "delta", delta)
 
 
 @pytest.mark.real_model

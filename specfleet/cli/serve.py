@@ -49,6 +49,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
                    help="browser origins allowed by CORS, comma-separated or repeated (e.g. "
                         "https://app.example.com; * for any); default: no CORS headers")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
+                   help="without --api-key, Host names the server answers to besides localhost, IP addresses and "
+                        "this machine's name (a guard against DNS rebinding), comma-separated or repeated; * for any")
+    p.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that tokenize prompts and compile grammars (off the event loop and the engine)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (for models without one, or to fix one); "
                         "`chatml-tools` names the shipped ChatML template with tool calling (Hermes / Qwen2.5 "
@@ -97,7 +102,10 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                         allowed_origins=origins,
                         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
                         stream_buffer=args.stream_buffer, stream_stall_timeout_s=args.stream_stall_timeout,
-                        unenforceable_schema=getattr(args, "unenforceable_schema", "refuse"))
+                        unenforceable_schema=getattr(args, "unenforceable_schema", "refuse"),
+                        tokenizer_workers=args.tokenizer_workers,
+                        allowed_hosts=tuple(h.strip() for arg in args.allowed_hosts or [] for h in arg.split(",")
+                                            if h.strip()))
 
 
 def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = None) -> int:
@@ -117,8 +125,10 @@ def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = 
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queue < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0 or args.stream_buffer < 1 \
+            or args.tokenizer_workers < 1 \
             or not args.stream_stall_timeout >= 0:
-        raise SpecfleetError("--max-queue, --max-body-bytes and --stream-buffer must be >= 1 and --shutdown-timeout "
+        raise SpecfleetError("--max-queue, --max-body-bytes, --stream-buffer and --tokenizer-workers must be >= 1 "
+                             "and --shutdown-timeout "
                              "and --stream-stall-timeout >= 0")
     config = server_config(args, os.environ)  # before the slow model load: bad settings fail at once
     sock = _bind(args.host, args.port)

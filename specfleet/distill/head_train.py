@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specfleet.distill.head_data import load_shards
-from specfleet.drafting.head import FeatureHead, init_from_target, target_embed
+from specfleet.drafting.head import FeatureHead, HeadConfig, init_from_target, target_embed
 
 
 @dataclass
@@ -201,9 +201,11 @@ def train(target, data_dir: Path, out: Path, cfg: TrainConfig, eval_dir: Path | 
     n_shards = len(json.loads((data_dir / "manifest.json").read_text())["shards"])
     vocab = target.config.vocab_size
     state_path = out / "train_state.pt"
-    state = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
+    # weights_only: a state file holds tensors, numbers and plain dicts, never code to run (torch.load's
+    # pickles could); the head's config is stored as a dict for that reason
+    state = torch.load(state_path, weights_only=True) if resume and state_path.is_file() else None
     if state is not None:
-        head = FeatureHead(state["head_config"])
+        head = FeatureHead(HeadConfig.from_dict(state["head_config"]))
         head.load_state_dict(state["head"])
     else:
         ids = draft_vocabulary(data["labels"], data["tokens"], cfg.draft_vocab, vocab, extra_counts)
@@ -241,7 +243,7 @@ def train(target, data_dir: Path, out: Path, cfg: TrainConfig, eval_dir: Path | 
 
     def save() -> None:
         tmp = state_path.with_suffix(".tmp")
-        torch.save({"head": head.state_dict(), "head_config": head.config, "opt": opt.state_dict(), "step": step,
+        torch.save({"head": head.state_dict(), "head_config": asdict(head.config), "opt": opt.state_dict(), "step": step,
                     "seen": seen, "elapsed": elapsed, "config": asdict(cfg), "data_tokens": n_tokens}, tmp)
         tmp.replace(state_path)
 

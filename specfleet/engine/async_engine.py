@@ -43,8 +43,10 @@ from typing import Mapping
 from specfleet.core.proposer import DraftStats, DraftWeights, speculation_length
 from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
-from specfleet.outputs import RequestOutput, TokenLogprob
+from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob  # noqa: F401 -- OutputDelta: re-exported
+from specfleet.outputs import common_prefix_len as _common_prefix_len
 from specfleet.runtime.block_manager import BlockManager
+from specfleet.runtime.grammar import Matcher
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 
@@ -105,36 +107,6 @@ class EngineSnapshot:
 
 
 @dataclass
-class OutputDelta:
-    """What one step added to a request's output (see the module docstring)."""
-
-    request_id: str
-    text_keep: int  # characters of the text sent so far that stay
-    text: str  # appended after them
-    token_ids: list[int]
-    token_origins: list[str]
-    logprobs: list[TokenLogprob] | None  # entries for the new tokens (None when not asked for)
-    prompt_logprobs: list[TokenLogprob | None] | None  # the whole list, when it changed; else None
-    finished: bool
-    finish_reason: str | None
-    metrics: dict
-
-    def merge(self, later: "OutputDelta") -> None:
-        """Fold a later delta into this one (a full buffer keeps its length this way)."""
-        if later.text_keep <= self.text_keep:
-            self.text_keep, self.text = later.text_keep, later.text
-        else:
-            self.text = self.text[:later.text_keep - self.text_keep] + later.text
-        self.token_ids = self.token_ids + later.token_ids
-        self.token_origins = self.token_origins + later.token_origins
-        if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        if later.prompt_logprobs is not None:
-            self.prompt_logprobs = later.prompt_logprobs
-        self.finished, self.finish_reason, self.metrics = later.finished, later.finish_reason, later.metrics
-
-
-@dataclass
 class _Sent:
     """Engine thread: what was already sent of one request's output."""
 
@@ -142,27 +114,6 @@ class _Sent:
     num_tokens: int = 0
     num_logprobs: int = 0
     num_prompt_logprobs: int = 0
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    """len of the longest common prefix; fast when they differ only near the end (a text's tail changes)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    step, ok = 1, n
-    while True:  # back off in doubling steps until a prefix matches, then bisect
-        lo = max(0, n - step)
-        if a[:lo] == b[:lo]:
-            break
-        ok, step = lo, step * 2
-    hi = ok  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def to_delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
@@ -223,6 +174,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: Matcher | None = None  # built off the engine thread (Engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -306,8 +258,11 @@ class AsyncEngine:
             buf.fail(EngineUnavailableError("the server shut down before this request finished"))
 
     # -- requests (loop thread) --------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> "RequestStream":
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 grammar: Matcher | None = None) -> "RequestStream":
         """Admit a request and return its stream of cumulative outputs (the last one has finished=True).
+        `grammar`: the request's matcher, compiled by the caller off the engine thread (the engine
+        thread steps every request, so it compiles nothing a client sent when it is given).
 
         Admission is checked here, synchronously, so a caller can answer 429/503 before it starts a
         response. Errors found by the engine itself (bad prompt) are raised from the iterator.
@@ -326,7 +281,7 @@ class AsyncEngine:
         self._queued.add(request_id)
         self._idle.clear()
         prompt = list(prompt_token_ids)
-        self._commands.put(_Add(request_id, prompt, params))
+        self._commands.put(_Add(request_id, prompt, params, grammar))
         return RequestStream(self, request_id, buf, prompt)
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -398,9 +353,15 @@ class AsyncEngine:
             self._sent.clear()
             self._publish_snapshot()
 
-    def _deltas(self, outputs: list[RequestOutput]) -> list[OutputDelta]:
+    def _deltas(self, outputs: list[RequestOutput | OutputDelta]) -> list[OutputDelta]:
+        """The step's outputs as deltas: the executor makes them itself for the requests added here
+        (Request.emit_deltas: O(new tokens) per step, not O(output)); a cumulative output (an engine
+        without that) is diffed against what was sent."""
         deltas = []
         for out in outputs:
+            if isinstance(out, OutputDelta):
+                deltas.append(out)
+                continue
             sent = self._sent.setdefault(out.request_id, _Sent())
             deltas.append(to_delta(out, sent))
             if out.finished:
@@ -445,7 +406,8 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+            req = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.grammar)
+            req.emit_deltas = True  # the executor sends what each step added (OutputDelta), see _deltas
         except Exception as e:  # noqa: BLE001 -- a bad request fails alone; the engine state is unchanged
             if not isinstance(e, SpecfleetError):
                 logger.exception("add_request(%s) failed", cmd.request_id)

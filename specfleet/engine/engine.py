@@ -22,7 +22,7 @@ from specfleet.engine.stop import StopChecker
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.grammar import GrammarCompiler, compiler_for
+from specfleet.runtime.grammar import GrammarCompiler, Matcher, compiler_for
 from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model import DecoderLM
 from specfleet.runtime.model_runner import ModelRunner
@@ -86,14 +86,15 @@ class Engine:
         self.grammars: GrammarCompiler | None = None  # built on the first constrained request (grammar_compiler)
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, compiled: bool = False) -> None:
         """Raise InvalidRequestError unless `add_request` takes this prompt with these params; a batch is
-        checked whole with it before any of it is queued (LLM.generate)."""
+        checked whole with it before any of it is queued (LLM.generate). `compiled`: the caller already
+        checked the grammar (and built its matcher)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not compiled:
             self.grammar_compiler().grammar(params.structured_outputs)  # an invalid grammar is the request's error
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -104,15 +105,20 @@ class Engine:
         return self.grammars
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        self.check_request(prompt_token_ids, params)
+                    request_id: str | None = None, grammar: Matcher | None = None) -> Request:
+        """Queue a request. `grammar`: its matcher, built by the caller from params.structured_outputs
+        (`grammar_compiler().matcher`) on another thread, so that compiling a large grammar does not hold
+        up the thread that steps the engine (the server does this); None builds it here."""
+        if grammar is not None and params.structured_outputs is None:
+            raise InvalidRequestError("a grammar matcher was given for a request without structured_outputs")
+        self.check_request(prompt_token_ids, params, compiled=grammar is not None)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         generator = None if params.is_greedy else make_generator(params.seed, self.device)
         req = Request(request_id, list(prompt_token_ids), params, generator)
         if params.structured_outputs is not None:
-            req.grammar = self.grammar_compiler().matcher(params.structured_outputs)
+            req.grammar = grammar if grammar is not None else self.grammar_compiler().matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

@@ -23,7 +23,7 @@ from specfleet.engine.request import Request
 from specfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specfleet.engine.step_costs import StepCostModel
 from specfleet.engine.stop import StopChecker
-from specfleet.outputs import RequestOutput, TokenLogprob
+from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob, common_prefix_len
 from specfleet.runtime.block_manager import BlockManager
 from specfleet.runtime.model_runner import ForwardItem, ModelRunner, tree_item
 from specfleet.runtime.sampling import target_probs
@@ -88,7 +88,7 @@ class StepExecutor:
                                       len(s.request.output_token_ids) - num_before)
             if s.with_draft:
                 feedback.append(fb)
-            outputs.append(self.output(s.request))
+            outputs.append(self.delta(s.request) if s.request.emit_deltas else self.output(s.request))
         verify_time = time.perf_counter() - t0
         self.costs.record(sum(len(it.token_ids) for it in items), verify_time)
         share = verify_time / max(1, len(emitting))
@@ -185,10 +185,38 @@ class StepExecutor:
 
     def _register(self, req: Request) -> None:
         """Offer the request's full blocks of computed (final) KV to the prefix cache."""
-        self.blocks.register(req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes)
+        self.blocks.register(req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes,
+                             req.params.cache_salt)
 
     def output(self, req: Request) -> RequestOutput:
         text = self.stop_checker.text(req)
+        return RequestOutput(req.request_id, None, req.prompt_token_ids, text, list(req.output_token_ids),
+                             list(req.output_origins), req.is_finished, req.finish_reason, self._metrics(req),
+                             None if req.logprobs is None else list(req.logprobs),
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+
+    def delta(self, req: Request) -> OutputDelta:
+        """What this step added to `req`'s output since the last delta: O(new tokens) list work, where a
+        cumulative output copies every list of the whole output every step (O(n^2) over a request)."""
+        text = self.stop_checker.text(req)
+        sent = req.sent_text
+        keep = len(sent) if text.startswith(sent) else common_prefix_len(sent, text)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = req.logprobs[req.num_sent_logprobs:]
+            req.num_sent_logprobs = len(req.logprobs)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) != req.num_sent_prompt_logprobs:
+            prompt_logprobs = list(req.prompt_logprobs)  # only while a prompt's chunks are computed
+            req.num_sent_prompt_logprobs = len(req.prompt_logprobs)
+        n = req.num_sent_tokens
+        out = OutputDelta(req.request_id, keep, text[keep:], req.output_token_ids[n:], req.output_origins[n:],
+                          logprobs, prompt_logprobs, req.is_finished, req.finish_reason, self._metrics(req))
+        req.sent_text, req.num_sent_tokens = text, len(req.output_token_ids)
+        return out
+
+    @staticmethod
+    def _metrics(req: Request) -> dict:
         metrics = req.stats.as_dict()
         metrics["num_preemptions"] = req.num_preemptions
         metrics["num_cached_tokens"] = req.num_cached_tokens
@@ -198,10 +226,7 @@ class StepExecutor:
             metrics["ttft_s"] = round(req.first_token_time - req.arrival_time, 6)
         if req.finish_time is not None:
             metrics["latency_s"] = round(req.finish_time - req.arrival_time, 6)
-        return RequestOutput(req.request_id, None, req.prompt_token_ids, text, list(req.output_token_ids),
-                             list(req.output_origins), req.is_finished, req.finish_reason, metrics,
-                             None if req.logprobs is None else list(req.logprobs),
-                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+        return metrics
 
 
 def _put_features(req: Request, position: int, rows: torch.Tensor) -> None:

@@ -88,6 +88,13 @@ class Request:
     # the target's hidden features of the committed tokens, when the proposer reads them (core/features.py)
     target_features: FeatureLog | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    # a streamed request (the async engine's): each step's output is what it added (OutputDelta), and
+    # these count what was sent so far
+    emit_deltas: bool = False
+    sent_text: str = field(default="", repr=False, compare=False)
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    num_sent_prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

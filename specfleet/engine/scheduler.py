@@ -212,7 +212,8 @@ class Scheduler:
                    and len(r.block_hashes) > num_cached and r.block_hashes[num_cached] == h for r in self.running)
 
     def _cached_blocks(self, req: Request) -> list[int]:
-        return self.blocks.cached_prefix(req.all_token_ids, req.block_hashes) if req.uses_prefix_cache else []
+        return self.blocks.cached_prefix(req.all_token_ids, req.block_hashes, req.params.cache_salt) \
+            if req.uses_prefix_cache else []
 
     def _cached_tokens(self, req: Request) -> int:
         return len(self._cached_blocks(req)) * self.blocks.block_size

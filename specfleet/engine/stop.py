@@ -49,7 +49,7 @@ class StopChecker:
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
-        elif token in p.stop_token_ids:
+        elif p.stop_token_ids and token in p.stop_token_set:
             req.finish_reason, req.stop_reason = "stop", token
         elif p.stop and self.tokenizer is not None and self._hit_stop_string(req):
             req.finish_reason = "stop"

@@ -45,12 +45,20 @@ class OutOfBlocks(RuntimeError):
     """Raised by allocate/append when the caller did not check can_allocate/can_append first."""
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int) -> None:
-    """Extend `hashes` (the chained hashes of the first full blocks of `token_ids`) to `num_blocks`."""
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int,
+                        salt: str | None = None) -> None:
+    """Extend `hashes` (the chained hashes of the first full blocks of `token_ids`) to `num_blocks`. A
+    request's `salt` (SamplingParams.cache_salt) goes into the first block's hash and so into every later
+    one: requests with different salts never share a cached block, and none can learn from its cache hits
+    what another client sent (vLLM's cache_salt)."""
     for i in range(len(hashes), num_blocks):
-        h = hashlib.blake2b(hashes[i - 1] if i else b"", digest_size=16)
+        h = hashlib.blake2b(hashes[i - 1] if i else _salt_seed(salt), digest_size=16)
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
         hashes.append(h.digest())
+
+
+def _salt_seed(salt: str | None) -> bytes:
+    return b"" if salt is None else b"salt:" + salt.encode("utf-8", "surrogatepass")
 
 
 @dataclass
@@ -123,13 +131,13 @@ class BlockManager:
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
         return self._extra_blocks(request_id, num_new_tokens) <= self.num_free_blocks
 
-    def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], hashes: list[bytes], salt: str | None = None) -> list[int]:
         """The registered blocks that hold the longest cached prefix of `token_ids`, leaving at least the
         last token uncached. `hashes` is the caller's per-request memo of block hashes (extended here)."""
         if not self.enable_caching:
             return []
         n = (len(token_ids) - 1) // self.block_size
-        extend_block_hashes(hashes, token_ids, self.block_size, n)  # also read by the scheduler
+        extend_block_hashes(hashes, token_ids, self.block_size, n, salt)  # also read by the scheduler
         blocks = []
         for h in hashes[:n]:
             b = self._block_of.get(h)
@@ -159,7 +167,8 @@ class BlockManager:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def register(self, request_id: str, token_ids: list[int], num_tokens: int, hashes: list[bytes]) -> None:
+    def register(self, request_id: str, token_ids: list[int], num_tokens: int, hashes: list[bytes],
+                 salt: str | None = None) -> None:
         """Offer the table's full blocks below `num_tokens` (tokens whose KV is final: `token_ids[:num_tokens]`)
         to the prefix cache. A block whose content is already cached under another block stays private."""
         table = self._tables.get(request_id)
@@ -168,7 +177,7 @@ class BlockManager:
         full = min(num_tokens, len(token_ids), table.num_tokens) // self.block_size
         if full <= table.num_registered:
             return
-        extend_block_hashes(hashes, token_ids, self.block_size, full)
+        extend_block_hashes(hashes, token_ids, self.block_size, full, salt)
         for i in range(table.num_registered, full):
             b, h = table.block_ids[i], hashes[i]
             if b not in self._hash_of and h not in self._block_of:

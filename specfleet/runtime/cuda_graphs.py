@@ -39,10 +39,16 @@ MAX_LOGITS_BYTES = 256 << 20  # a shape's captured logits stay allocated: larger
 class StepGraphs:
     """The captured steps of one model runner, by (padded requests, new tokens each, logit rows each)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, budget_bytes: int | None = None):
         self.runner = runner
         self.capacity = runner.kv.k[0].shape[0]  # key slots a step's plan may list (the cache's rows)
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        # the memory plan of the captured shapes: each keeps its logits and hidden states allocated, and
+        # together they stay within `budget_bytes` (RuntimeConfig.cuda_graph_bytes); a new shape that does
+        # not fit runs eagerly. `planned_bytes` is what the shapes admitted so far keep.
+        self.budget_bytes = runner.model.runtime.cuda_graph_bytes if budget_bytes is None else budget_bytes
+        self.planned_bytes = 0
+        self.over_budget = 0  # steps that ran eagerly because their shape did not fit the plan
         self._pool = None
         self.replays = 0  # steps served by a graph (or by the padded path on the CPU)
         self.eager = 0  # steps of a graph shape that ran eagerly (too many keys)
@@ -67,10 +73,27 @@ class StepGraphs:
                 return None
             nlog = rows
         padded = next(b for b in BATCHES if b >= len(items))
-        vocab = self.runner.vocab_limit or self.runner.model.config.vocab_size
-        if padded * nlog * vocab * 4 > MAX_LOGITS_BYTES:
+        key = (padded, n, nlog)
+        if key in self._shapes:
+            return key
+        need = self.shape_bytes(key)
+        if padded * nlog * self._vocab() * 4 > MAX_LOGITS_BYTES:
             return None
-        return padded, n, nlog
+        if self.planned_bytes + need > self.budget_bytes:
+            self.over_budget += 1  # eager: its outputs would not fit the plan (a step of it is as exact either way)
+            return None
+        return key
+
+    def _vocab(self) -> int:
+        return self.runner.vocab_limit or self.runner.model.config.vocab_size
+
+    def shape_bytes(self, key: tuple[int, int, int]) -> int:
+        """Bytes a captured shape keeps allocated: its fp32 logits and its hidden states (model dtype)."""
+        padded, n, nlog = key
+        cfg = self.runner.model.config
+        embed = getattr(self.runner.model, "embed_tokens", None)
+        itemsize = embed.weight.element_size() if embed is not None else 4
+        return padded * nlog * self._vocab() * 4 + padded * n * cfg.hidden_size * itemsize
 
     def run(self, key: tuple[int, int, int], real: int, arrays: list[np.ndarray], plan: list[np.ndarray],
             batch: AttentionBatch) -> torch.Tensor | None:
@@ -83,7 +106,12 @@ class StepGraphs:
             return None
         shape = self._shapes.get(key)
         if shape is None:
+            need = self.shape_bytes(key)
+            if self.planned_bytes + need > self.budget_bytes:  # (shape_of checked it; a caller may not have)
+                self.eager += 1
+                return None
             shape = self._shapes[key] = _Shape(key, self.capacity, self.runner.device)
+            self.planned_bytes += need
         shape.fill(real, arrays, plan)
         batch.slot_mapping, batch.plan = shape.slot_mapping, shape.plan
         if self.runner.device.type == "cuda" and shape.graph is None and not shape.failed:

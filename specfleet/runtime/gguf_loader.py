@@ -85,13 +85,27 @@ def open_gguf(path: Path) -> GGUFReader:
             f"{type(e).__name__}: {e}"
         ) from e
     file_size = path.stat().st_size
+    alignment = int(getattr(reader, "alignment", 32) or 32)
+    spans = []
     for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+        start = int(t.data_offset)
+        end = start + int(t.n_bytes)
         if end > file_size or t.data.nbytes != int(t.n_bytes):
             raise ModelLoadError(
                 f"{path} is truncated: tensor {t.name!r} ends at byte {end:,} but the file has "
                 f"{file_size:,} bytes; re-download or re-assemble it"
             )
+        # GGUF places every tensor at a multiple of general.alignment; one that is not was written wrong
+        # (its blocks would be read from the wrong bytes: garbage output, no error)
+        if start % alignment:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} starts at byte {start:,}, which is not a multiple of "
+                                 f"the file's alignment ({alignment}); the file is corrupt")
+        spans.append((start, end, t.name))
+    spans.sort()
+    for (_, end0, name0), (start1, _, name1) in zip(spans, spans[1:]):
+        if start1 < end0:
+            raise ModelLoadError(f"{path}: tensors {name0!r} and {name1!r} overlap (from byte {start1:,}); the file "
+                                 f"is corrupt")
     return reader
 
 
@@ -214,6 +228,11 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
     # The embedding's row count is authoritative: `<arch>.vocab_size` is optional metadata.
     vocab = _checked_int(int(embd.shape[-1]), "vocab_size", path, "token_embd.weight rows (the vocabulary)")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    num_tokens = len(tokens.data) if tokens is not None else 0
+    if num_tokens > vocab:  # the tokenizer could give ids that index past the embedding
+        raise ModelLoadError(f"{path}: the tokenizer has {num_tokens:,} tokens but token_embd.weight has only "
+                             f"{vocab:,} rows; the file is corrupt")
     hidden = integer("embedding_length")
     num_heads = integer("attention.head_count", per_layer=True)
     num_kv_heads = integer("attention.head_count_kv", num_heads, per_layer=True)
@@ -367,6 +386,8 @@ def _dense(tensor: ReaderTensor, path: Path, heads: int | None, offset: float = 
     """The tensor dequantized to float32 in HF layout (a writable copy, never a view of the file), plus
     `offset` (llama.cpp's +1 on Gemma's norms taken back)."""
     w = _dequantize(tensor, path)
+    if np.issubdtype(w.dtype, np.floating) and not np.isfinite(w).all():
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} holds NaN or infinite values; the file is damaged")
     if heads is not None:
         w = unpermute_qk(w, heads)
     if offset:
@@ -450,12 +471,35 @@ def _native(reader: GGUFReader, tensor: ReaderTensor, path: Path, heads: int | N
             "(CLI --quantization none), or requantize it with quantization='q8_0'"
         )
     cols, rows = (int(d) for d in tensor.shape.tolist())
+    _check_finite_scales(tensor, path)
     w = qtensor.QTensor(tensor.data, kind, (rows, cols))
     if kind in qtensor.K_TYPES:  # a re-ordered copy: the file's pages are not needed again
         _drop_mapped_pages(reader, tensor)
     if heads is not None:
         w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))
     return w
+
+
+# byte offsets of the fp16 scale fields inside one block of each format the kernels run (ggml's layouts)
+_SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def _check_finite_scales(tensor: ReaderTensor, path: Path) -> None:
+    """A block format's values are its small integers times fp16 scales: the weights are finite iff every
+    scale is. A NaN or infinite scale (a damaged file) is refused here, naming the tensor, rather than
+    turning every output into NaN with no word."""
+    from specfleet.runtime import qtensor
+
+    offsets = _SCALE_OFFSETS.get(tensor.tensor_type.name)
+    if offsets is None:
+        return
+    size = qtensor.FORMATS[tensor.tensor_type].type_size
+    blocks = np.asarray(tensor.data).reshape(-1).view(np.uint8).reshape(-1, size)
+    for off in offsets:
+        scales = np.ascontiguousarray(blocks[:, off:off + 2]).view(np.float16)
+        if not np.isfinite(scales).all():
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) has NaN or infinite "
+                                 f"scales; the file is damaged")
 
 
 def _drop_mapped_pages(reader, tensor) -> None:

@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -117,30 +118,103 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     return found
 
 
-class GrammarCompiler:
-    """Turns constraints into matchers for one tokenizer; grammars are checked once and cached by text."""
+# The compiled grammars a compiler keeps, least recently used first out, within this many bytes. Each
+# entry is counted as its grammar's text plus GRAMMAR_ENTRY_OVERHEAD for the compiled matcher, so a
+# stream of distinct large schemas costs at most this much, however many a client sends.
+DEFAULT_GRAMMAR_CACHE_BYTES = 32 << 20
+GRAMMAR_ENTRY_OVERHEAD = 64 << 10
+# a grammar whose text is longer is not kept: its compiled states can take hundreds of MB (a 1.3 MB regex
+# literal: ~200 MB once its first mask is computed), far more than its text says; such a constraint is
+# compiled again, on a worker, by each request that sends it
+MAX_CACHED_GRAMMAR_CHARS = 128 << 10
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
+
+class _Compiled:
+    """One constraint, checked and compiled: its grammar text, its error ("" when valid), and a matcher
+    in its start state whose first mask was already computed (copied for each request)."""
+
+    __slots__ = ("text", "error", "prototype", "nbytes", "lock", "first_mask")
+
+    def __init__(self, text: str, error: str, prototype: Any, nbytes: int):
+        self.text, self.error, self.prototype, self.nbytes = text, error, prototype, nbytes
+        self.lock = threading.Lock()  # llguidance matchers are not to be used from two threads at once
+        # [vocab] bool: the tokens allowed first. Computed once, here, off the engine thread: a matcher
+        # copied from the prototype computes it again otherwise (0.2 s for a 1.3 MB regex literal)
+        self.first_mask: torch.Tensor | None = None
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """A digest that tells constraints apart (the cache key): kind, value and options."""
+    value = getattr(spec, spec.kind)
+    # keys not sorted: a schema's `properties` order is the order its grammar writes them in, so two schemas
+    # that differ only in that order are different constraints
+    raw = json.dumps([spec.kind, value, spec.strict, spec.disable_any_whitespace], ensure_ascii=False, default=str)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class GrammarCompiler:
+    """Turns constraints into matchers for one tokenizer. Compiling (the grammar text, its check, the
+    matcher and its first mask) is the slow part, seconds for a megabyte regex: callers that serve other
+    requests meanwhile do it on another thread (`compile`, then hand the `matcher` to the engine). Compiled
+    grammars are kept in an LRU under `cache_bytes` (DEFAULT_GRAMMAR_CACHE_BYTES)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
         self.vocab_size = vocab_size
         self.lltok = ll_tokenizer(tokenizer, vocab_size)
         self.eos_token_ids = sorted({*eos_token_ids, *self.lltok.eos_tokens})
-        self._checked: dict[str, str] = {}  # grammar text -> "" or its error
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, _Compiled] = OrderedDict()  # spec_key -> compiled, oldest use first
+        self._cached_bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache counts now (always <= cache_bytes, but for one entry larger than it alone)."""
+        return self._cached_bytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def compile(self, spec: StructuredOutputsParams) -> _Compiled:
+        """The checked, compiled constraint (from the cache, or built and cached now); InvalidRequestError
+        (a 400 at the server) when it is not valid."""
+        key = spec_key(spec)
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+        if found is None:
+            found = self._build(spec)
+            with self._lock:
+                if key not in self._cache and (found.error or len(found.text) <= MAX_CACHED_GRAMMAR_CHARS):
+                    self._cache[key] = found
+                    self._cached_bytes += found.nbytes
+                    while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                        _, old = self._cache.popitem(last=False)
+                        self._cached_bytes -= old.nbytes
+        if found.error:
+            raise InvalidRequestError(f"invalid {spec.kind} constraint: {found.error.strip().splitlines()[0]}")
+        return found
+
+    def _build(self, spec: StructuredOutputsParams) -> _Compiled:
+        text = grammar_text(spec)
+        ll = _llguidance().LLMatcher
+        is_error, messages = ll.validate_grammar_with_warnings(text, self.lltok)
+        error = (messages[0] if messages else "invalid grammar") if is_error else ""
+        prototype = None
+        if not error:
+            prototype = ll(self.lltok, text, log_level=0)
+            if prototype.is_error():
+                error = prototype.get_error()
+        compiled = _Compiled(text, error, prototype, len(text.encode("utf-8", "surrogatepass"))
+                             + GRAMMAR_ENTRY_OVERHEAD + self.vocab_size)
+        if not error:
+            compiled.first_mask = Matcher(self, compiled).allowed()
+        return compiled
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The checked grammar of `spec`; InvalidRequestError (a 400 at the server) when it is not valid."""
-        text = grammar_text(spec)
-        with self._lock:
-            error = self._checked.get(text)
-        if error is None:
-            ll = _llguidance().LLMatcher
-            is_error, messages = ll.validate_grammar_with_warnings(text, self.lltok)
-            error = messages[0] if is_error else ""
-            with self._lock:
-                self._checked[text] = error
-        if error:
-            raise InvalidRequestError(f"invalid {spec.kind} constraint: {error.strip().splitlines()[0]}")
-        return text
+        return self.compile(spec).text
 
     def literal(self, text: str) -> str:
         """Lark for `text` written by this tokenizer: a text that is one special (added) token, such as
@@ -152,10 +226,15 @@ class GrammarCompiler:
         return lark_string(text)
 
     def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
-        m = Matcher(self, self.grammar(spec))
+        """A fresh matcher for one request (a copy of the compiled one), with a JSON schema's notes (the
+        keywords accepted as annotations, narrowed or not enforced: runtime/json_schema.py)."""
+        m = Matcher(self, self.compile(spec))
         if spec.kind == "json":
             m.notes = schema_plan(spec).notes
         return m
+
+
+_MAX_TOKEN_BYTES = 64  # forced_tokens: bytes tokenized per token wanted (more than any token's text)
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]]" = weakref.WeakKeyDictionary()
@@ -180,14 +259,21 @@ class Matcher:
     """One request's grammar state. It only ever holds committed tokens: `mask_rows` consumes a draft's
     paths and rolls them back."""
 
-    def __init__(self, compiler: GrammarCompiler, grammar: str):
+    def __init__(self, compiler: GrammarCompiler, grammar: "str | _Compiled"):
         self.compiler = compiler
-        self.m = _llguidance().LLMatcher(compiler.lltok, grammar, log_level=0)
+        self._first_mask = None
+        if isinstance(grammar, _Compiled):
+            with grammar.lock:
+                self.m = grammar.prototype.deep_copy()
+            self._first_mask = grammar.first_mask
+        else:
+            self.m = _llguidance().LLMatcher(compiler.lltok, grammar, log_level=0)
         if self.m.is_error():
             raise InvalidRequestError(f"invalid grammar: {self.m.get_error().strip().splitlines()[0]}")
         self.vocab_size = compiler.vocab_size
         self._words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
         self.num_tokens = 0  # committed tokens consumed
+        self._trial = 0  # tokens mask_rows consumed on a draft's path (rolled back after)
         self.broken = False  # a committed token the grammar refused (a stop token after the end, an EOS)
         self.notes = SchemaNotes()  # a JSON schema's keywords not fully enforced (runtime/json_schema.py)
 
@@ -217,7 +303,13 @@ class Matcher:
         forced = self.m.compute_ff_bytes()
         if not forced:
             return []
-        tokens = self.compiler.lltok.tokenize_bytes(forced)[:limit]
+        # only as many bytes as `limit` tokens can hold are tokenized (a long forced literal would cost
+        # O(its length) on the engine thread every step); the last token of a cut text may be cut too
+        cut = (limit + 2) * _MAX_TOKEN_BYTES
+        tokens = self.compiler.lltok.tokenize_bytes(forced[:cut])
+        if len(forced) > cut:
+            tokens = tokens[:-1]
+        tokens = tokens[:limit]
         n = self.m.validate_tokens(tokens)
         return tokens[:n]
 
@@ -228,6 +320,8 @@ class Matcher:
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens allowed next (every EOS id wherever one is)."""
         eos = self.compiler.eos_token_ids
+        if self._first_mask is not None and self.num_tokens == 0 and self._trial == 0 and not self.broken:
+            return self._first_mask.clone()
         if self.broken or self.m.is_error():
             out = torch.zeros(self.vocab_size, dtype=torch.bool)
             out[[t for t in eos if t < self.vocab_size]] = True
@@ -269,9 +363,11 @@ class Matcher:
                         out[j + 1].masked_fill_(~only_eos.to(out.device), neg)
                     continue
                 self.m.consume_token(tok)
+                self._trial += 1
                 try:
                     visit(c, self.allowed())
                 finally:
+                    self._trial -= 1
                     self.m.rollback(1)
 
         visit(-1, self.allowed())

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from specfleet.core.model_ref import ModelRef
-from specfleet.errors import InvalidRequestError
+from specfleet.errors import InvalidRequestError, ModelLoadError
 from specfleet.models.registry import resolve_model
 from specfleet.runtime.build import build_model
 from specfleet.runtime.loader import is_gguf_file, load_checkpoint
@@ -44,7 +44,17 @@ def load_model(name_or_path: str | ModelRef, dtype: torch.dtype, device: torch.d
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir), local_files_only=True)
+        check_tokenizer_fits(tokenizer, model.config.vocab_size, path)
     return model, tokenizer
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, source) -> None:
+    """A tokenizer with more tokens than the embedding has rows would hand the model ids past its last
+    row (an index error mid-request, or garbage): refused at load, naming both sizes."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise ModelLoadError(f"{source}: the tokenizer has {n:,} tokens but the model's embedding has only "
+                             f"{vocab_size:,} rows (vocab_size); the tokenizer does not belong to these weights")
 
 
 def build_from_checkpoint(ckpt, name: str, num_layers: int | None, dtype: torch.dtype,

@@ -179,6 +179,19 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
     wrong = [f"{n} {tuple(weights[n].shape)} != {s}" for n, s in shapes.items() if tuple(weights[n].shape) != s]
     if wrong:
         raise ModelLoadError(f"{source}: tensor shapes do not match the config: {wrong[:4]}")
+    check_finite(weights, source)
+
+
+def check_finite(weights: dict[str, torch.Tensor], source: Path, chunk: int = 1 << 24) -> None:
+    """Raise a ModelLoadError naming the tensor if a weight holds NaN or an infinity (a damaged file: the
+    model would load and answer NaN or garbage with no word). Checked a chunk at a time (bounded memory)."""
+    for name, w in weights.items():
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            continue
+        flat = w.reshape(-1)
+        for i in range(0, flat.numel(), chunk):
+            if not bool(torch.isfinite(flat[i:i + chunk]).all()):
+                raise ModelLoadError(f"{source}: tensor {name!r} holds NaN or infinite values; the file is damaged")
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:

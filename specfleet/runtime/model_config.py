@@ -25,6 +25,29 @@ _GEMMA3_DEFAULTS = {"global_theta": 1_000_000.0, "local_theta": 10_000.0, "slidi
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "head_dim": 256}
 
 
+# The range of every size a config.json gives, as the GGUF loader bounds the same numbers in a GGUF file's
+# metadata (gguf_loader._INT_RANGES): unchecked, num_hidden_layers=10**6 spends hours and all memory building
+# layers before anything fails. Generous: the largest open models lie well inside.
+HF_INT_RANGES = {
+    "vocab_size": ("vocab_size", 1, 1 << 24),
+    "hidden_size": ("hidden_size", 1, 1 << 17),
+    "intermediate_size": ("intermediate_size", 1, 1 << 20),
+    "num_layers": ("num_hidden_layers", 1, 1024),
+    "num_heads": ("num_attention_heads", 1, 1024),
+    "num_kv_heads": ("num_key_value_heads", 1, 1024),
+    "head_dim": ("head_dim", 2, 1 << 14),
+    "max_position_embeddings": ("max_position_embeddings", 1, 1 << 26),
+}
+
+
+def _check_bounds(fields: dict) -> None:
+    for key, (name, lo, hi) in HF_INT_RANGES.items():
+        value = fields.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ModelLoadError(f"config.json {name}={value!r} is out of range: expected an integer in "
+                                 f"[{lo}, {hi:,}]; the config is corrupt or was edited by hand")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -148,6 +171,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        _check_bounds(fields | gemma)
         return cls(**(fields | gemma))
 
     def to_hf_dict(self) -> dict:

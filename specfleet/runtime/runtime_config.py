@@ -41,7 +41,12 @@ class RuntimeConfig:
     # CUDA, with the kernels: replay captured graphs of the step shapes that repeat (decode, chain drafting and
     # chain verification; runtime/cuda_graphs.py); SPECFLEET_CUDA_GRAPHS=0 launches every step eagerly
     cuda_graphs: bool = field(default_factory=lambda: os.environ.get("SPECFLEET_CUDA_GRAPHS", "1") != "0")
+    # the memory the captured graphs of one model keep for their outputs (each shape's logits and hidden
+    # states stay allocated between replays); a shape that would pass it runs eagerly (cuda_graphs.py)
+    cuda_graph_bytes: int = 512 << 20
 
     def __post_init__(self):
         if self.upcast_rows < 0 or self.native_rows < 0:
             raise ValueError(f"upcast_rows and native_rows must be >= 0, got {self.upcast_rows}, {self.native_rows}")
+        if self.cuda_graph_bytes < 0:
+            raise ValueError(f"cuda_graph_bytes must be >= 0, got {self.cuda_graph_bytes}")

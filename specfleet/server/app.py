@@ -27,10 +27,13 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from specfleet.engine.async_engine import AsyncEngine, RequestStream
+from specfleet.errors import InvalidRequestError
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
 from specfleet.server import serving
-from specfleet.server.auth import ApiKeyMiddleware
+from specfleet.server.admission import (LARGE_BODY_BYTES, Admission, HeapTrim, PromptLengthBound,
+                                        background_priority)
+from specfleet.server.auth import ApiKeyMiddleware, HostAllowlistMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
 from specfleet.server.metrics import ServerMetrics
@@ -61,6 +64,13 @@ class ServerConfig:
     # a JSON schema keyword the grammar engine cannot enforce: "refuse" (400) or "relax" (generate under the
     # rest of the schema, said in the response) where the request leaves `strict` unsaid (runtime/json_schema.py)
     unenforceable_schema: str = "refuse"
+    # tokenizer / template / grammar work runs on these threads, off the event loop and the engine thread
+    tokenizer_workers: int = 2
+    # requests being prepared (tokenized, grammars compiled) at once; one more gets 429 before any work
+    # (None: max_queue; requests being prepared also count against max_queue, server/admission.py)
+    max_preparing: int | None = None
+    # Host names served without an API key besides localhost, IPs and this machine's name ("*": any)
+    allowed_hosts: tuple[str, ...] = ()
 
 
 class ClientGone(Exception):
@@ -70,7 +80,13 @@ class ClientGone(Exception):
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     engine = AsyncEngine(llm.engine, config.max_queue, config.stream_buffer, config.stream_stall_timeout_s)
     metrics = ServerMetrics(engine)
-    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-tokenizer")
+    if config.tokenizer_workers < 1:
+        raise InvalidRequestError(f"tokenizer_workers must be >= 1, got {config.tokenizer_workers}")
+    tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer",
+                                        initializer=background_priority)
+    admission = Admission(engine, config.max_preparing or config.max_queue)
+    trim = HeapTrim()
+    length_bound = PromptLengthBound(llm.tokenizer, llm.engine.max_model_len)
     drain = Drain(config.shutdown_timeout_s)
     max_len, vocab = llm.engine.max_model_len, llm.model.config.vocab_size
     specials = serving.special_tokens(llm.tokenizer)
@@ -88,12 +104,15 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.max_body_bytes = config.max_body_bytes
     app.state.engine = engine
+    app.state.admission = admission
     app.state.drain = drain  # `specfleet serve` starts it when uvicorn begins its shutdown
     # the last added runs first: CORS answers preflights (which carry no credentials) and labels every
     # response, even a 401; then the key is checked before the body is read; then the body's size
     app.add_middleware(MaxBodySizeMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    else:
+        app.add_middleware(HostAllowlistMiddleware, allowed_hosts=config.allowed_hosts)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])
@@ -116,7 +135,12 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if body is None:
             body = await read_json(request)
         try:
-            req = schema.model_validate_json(body)
+            if len(body) > LARGE_BODY_BYTES:  # tens of ms of parsing (a 900k-id list): off the event loop,
+                req = await asyncio.get_running_loop().run_in_executor(  # which writes every stream's tokens
+                    None, schema.model_validate_json, body)
+                request.state.large = True  # the heap is trimmed after it (serve)
+            else:
+                req = schema.model_validate_json(body)
         except ValidationError as e:
             message, param = describe_validation_error(e)
             raise APIError(400, message, param=param)
@@ -140,6 +164,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             err = body_too_large(config.max_body_bytes)
         except Exception as e:  # noqa: BLE001 -- mapped to a status; unexpected ones are logged
             err = api_error_from(e)
+        finally:
+            if getattr(request.state, "large", False):
+                trim.after_large_request()
         metrics.observe_rejected(endpoint, err.status)
         return err.response()
 
@@ -153,14 +180,21 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if total > config.max_queue:
             raise APIError(400, f"this request asks for {total} choices ({len(prompts)} prompt(s) x n={req.n}); "
                                 f"at most {config.max_queue} fit the queue", param="n")
-        structured = None
+        serving.check_stop_token_ids(req, vocab)
+        for ids in prompts:
+            serving.check_prompt(ids, vocab, max_len)
+        structured, matchers = None, None
         if serving.is_constrained(req):  # checked here, so an invalid grammar is a 400 before the response
-            # starts; the first one builds the grammar engine's view of the tokenizer (seconds): off the loop
-            structured = await tokenize(lambda: serving.structured_outputs(
-                req, llm.engine.grammar_compiler(), config.unenforceable_schema == "relax"))
+            # starts. Compiling it (seconds for a megabyte regex; the first one also builds the grammar
+            # engine's view of the tokenizer) and each choice's matcher: on a worker, never on the event
+            # loop or the engine thread, which every other request waits on
+            def compile_all() -> tuple[Any, list[Any]]:
+                compiler = llm.engine.grammar_compiler()
+                spec = serving.structured_outputs(req, compiler, config.unenforceable_schema == "relax")
+                return spec, [compiler.matcher(spec) for _ in range(total)]
+            structured, matchers = await tokenize(compile_all)
         plans = []
         for i, ids in enumerate(prompts):
-            serving.check_prompt(ids, vocab, max_len)
             for j in range(req.n):
                 plans.append((i, ids, serving.sampling_params(req, max_tokens, len(ids), max_len, specials,
                                                               default_max_tokens, sample=j, structured=structured)))
@@ -169,7 +203,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         try:
             for k, (i, ids, params) in enumerate(plans):
                 rid = response_id if total == 1 else f"{response_id}-{k}"
-                choices.append(Choice(k, ids, params, engine.generate(ids, params, rid),
+                choices.append(Choice(k, ids, params, engine.generate(ids, params, rid,
+                                                                      matchers[k] if matchers else None),
                                       prompt_texts[i] if prompt_texts else None))
         except BaseException:
             for c in choices:
@@ -187,10 +222,15 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         async def handle() -> Response:
             req = await parse(request, CompletionRequest, "completions")
             prompts = req.prompts()
-            ids = [await tokenize(lambda p=p: llm.encode(p)) for p in prompts]
-            texts = [await tokenize(lambda p=p, i=i: prompt_text(p, i)) for p, i in zip(prompts, ids)] \
-                if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
-            response_id, choices = await start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS, texts)
+            with admission.preparing(len(prompts) * req.n):
+                for p in prompts:  # a prompt too long for the context is refused before it is tokenized
+                    if isinstance(p, str):
+                        length_bound.check(p)
+                ids = [await tokenize(lambda p=p: length_bound.encode(p, llm.encode)) for p in prompts]
+                texts = [await tokenize(lambda p=p, i=i: prompt_text(p, i)) for p, i in zip(prompts, ids)] \
+                    if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
+                response_id, choices = await start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS,
+                                                   texts)
             created = serving.now()
             shape = CompletionShape(req, token_text)
             if req.stream:
@@ -211,9 +251,13 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         async def handle() -> Response:
             req = await parse(request, ChatCompletionRequest, "chat")
             messages, kwargs, tool_defs = req.template_messages(), req.chat_template_kwargs, req.active_tools()
-            ids = await tokenize(lambda: chat.render(messages, kwargs, tool_defs=tool_defs))
-            parse_tools = tool_defs is not None and chat.tool_parser() is not None
-            response_id, choices = await start([ids], req, req.requested_max_tokens(), "chatcmpl")
+            with admission.preparing(req.n):
+                length_bound.check("\n".join(m["content"] for m in messages))  # the prompt holds all of these
+                if req.tools and llm.tokenizer is not None:  # every tool's `parameters`, whatever tool_choice says
+                    await tokenize(lambda: serving.check_tool_parameters(req.tools, llm.engine.grammar_compiler()))
+                ids = await tokenize(lambda: chat.render(messages, kwargs, tool_defs=tool_defs))
+                parse_tools = tool_defs is not None and chat.tool_parser() is not None
+                response_id, choices = await start([ids], req, req.requested_max_tokens(), "chatcmpl")
             created = serving.now()
             shape = ChatShape(req, token_text, parse_tools)
             if req.stream:
@@ -331,7 +375,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        reason = f"engine failed: {engine.death_reason}" if engine.error else "shutting down"
+        # the cause (an exception's text) is in the server log, not for whoever can reach /health
+        reason = "engine failed (the server log has the cause)" if engine.error else "shutting down"
         return APIError(503, reason, "service_unavailable").response()
 
     @app.get("/metrics")

@@ -3,11 +3,13 @@
 A pure ASGI middleware, so an unauthenticated request is refused before its body is read (and its
 connection closed). /health stays open because load balancers and orchestrators probe it without
 credentials. The key is compared with hmac.compare_digest, whose time does not depend on how many
-leading characters were right.
+leading characters were right. Without a key the Host header is checked instead (HostAllowlistMiddleware).
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import socket
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,3 +36,51 @@ class ApiKeyMiddleware:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def _host_name(header: bytes) -> str:
+    """The name in a Host header, lower-cased, without its port ("[::1]:8000" -> "::1")."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class HostAllowlistMiddleware:
+    """Without an API key, only requests whose Host names this machine are served (403 otherwise), as
+    Ollama does. A web page a browser loads can make its own domain resolve to 127.0.0.1 (DNS rebinding)
+    and then talk to a keyless server on loopback as if it were the same site; its requests still carry
+    that domain in Host. Allowed: no Host (HTTP/1.0), an IP address, `localhost` and `*.localhost`, this
+    machine's host name, and the names given with --allowed-hosts (`*`: any)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self.any = "*" in allowed_hosts
+        self.allowed = {h.strip().lower() for h in allowed_hosts if h.strip()} | {"localhost"}
+        try:
+            self.allowed.add(socket.gethostname().lower())
+        except OSError:  # pragma: no cover - no host name: only the others
+            pass
+
+    def allows(self, host: str) -> bool:
+        return self.any or not host or host in self.allowed or host.endswith(".localhost") or _is_ip(host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = _host_name(dict(scope["headers"]).get(b"host", b""))
+        if self.allows(host):
+            await self.app(scope, receive, send)
+            return
+        await send_error(send, APIError(403, f"the Host header {host[:100]!r} is not one this server answers to "
+                                             f"without an API key; start it with --allowed-hosts {host[:100]} "
+                                             f"(or --api-key) to allow it", code="host_not_allowed"), close=True)

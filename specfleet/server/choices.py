@@ -165,6 +165,9 @@ class ChatStream:
             return [({"delta": {"content": delta}, "logprobs": self._logprobs(out)}, True, None)]
         got: list[Chunk] = []
         delta = self.deltas.delta_of(text[:start], True) if start >= 0 else ""
+        tail = tools.split_tool_calls(text, self.shape.tool_names)[2] if start >= 0 else ""
+        if tail:  # a last call cut off (max_tokens): its text is content, after the content before the calls
+            delta = (delta.rstrip() + "\n" if delta.strip() else "") + tail
         if delta:
             got.append(({"delta": {"content": delta}, "logprobs": None}, False, None))
         got.append(({"delta": {"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)]},

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specfleet.engine.async_engine import (EngineUnavailableError, QueueFullError, RequestFailedError,
-                                           StreamStalledError)
+from specfleet.engine.async_engine import (EngineDeadError, EngineUnavailableError, QueueFullError,
+                                           RequestFailedError, StreamStalledError)
 from specfleet.errors import InvalidRequestError
 
 logger = logging.getLogger("specfleet.server")
@@ -55,16 +55,23 @@ def api_error_from(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    # the engine's own failures: a fixed text for the client, never the exception's (it can name internal
+    # state, paths or data); the engine thread logged the detail with its traceback
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine failed and serves no more requests (the server log has the cause)",
+                        "service_unavailable", code="engine_unavailable")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), "service_unavailable", code="engine_unavailable")
-    if isinstance(exc, RequestFailedError):  # logged by the engine thread, with its traceback
-        return APIError(500, str(exc), "server_error", code="engine_step_failed")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, "the engine step that ran this request failed; the request was stopped and the "
+                             "server goes on (the server log has the cause); retry it", "server_error",
+                        code="engine_step_failed")
     if isinstance(exc, StreamStalledError):  # sent in-band (the stream's status line is out); 408 in /metrics
         return APIError(408, str(exc), "timeout_error", code="stream_stalled")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=getattr(exc, "param", None) or _param_of(str(exc)))
     logger.error("unexpected error while serving a request", exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__}", "internal_error")
+    return APIError(500, "internal server error (the server log has the cause)", "internal_error")
 
 
 def _param_of(message: str) -> str | None:

@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specfleet.errors import InvalidRequestError
-from specfleet.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from specfleet.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS,
+                                       StructuredOutputsParams)
 
 # Stop strings are bounded by their total length, not their number (OpenAI allows 4): the engine
 # scans each new token's text for every stop string and the stream holds back prefixes of them, so
 # the cost grows with the characters, and a client with many short stops (code models) is served.
 MAX_STOP_CHARS = 4096
+MAX_STOPS = 256  # stop strings (each is searched for in every new token's text)
+MAX_LOGIT_BIAS = 1024  # entries (refused anyway unless empty; bounded so a refusal is cheap too)
+MAX_TOOLS = 128  # tool definitions, as at OpenAI
 MAX_UNKNOWN_FIELDS = 64  # distinct unknown field names one request may carry
 
 # max_tokens when a /v1/completions request omits it, as at OpenAI and vLLM; chat requests have no
@@ -213,7 +218,9 @@ class _SamplingFields(_Strict):
     top_k: int = 0  # extension; 0 or -1 = disabled
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension, as in vLLM
+    stop_token_ids: list[int] | None = None  # extension, as in vLLM (at most MAX_STOP_TOKEN_IDS)
+    # extension, as in vLLM: only requests with the same salt share prefix-cache blocks (docs/compatibility.md)
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -253,8 +260,20 @@ class _SamplingFields(_Strict):
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise UnsupportedError(param, f"{param} is not supported; leave it at 0")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise UnsupportedError("logit_bias", f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                                 f"{MAX_LOGIT_BIAS} are allowed (and logit_bias is not supported)")
         if self.logit_bias:
             raise UnsupportedError("logit_bias", "logit_bias is not supported; leave it empty")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise UnsupportedError("stop_token_ids", f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                                                     f"{MAX_STOP_TOKEN_IDS} are allowed")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise UnsupportedError("cache_salt", f"cache_salt must be a non-empty string of at most "
+                                                 f"{MAX_CACHE_SALT_CHARS} characters")
+        if len(self.stop_list()) > MAX_STOPS:
+            raise UnsupportedError("stop", f"{len(self.stop_list())} stop strings were given; at most {MAX_STOPS} "
+                                           f"are allowed")
         stop_chars = sum(len(s) for s in self.stop_list())
         if stop_chars > MAX_STOP_CHARS:
             raise UnsupportedError("stop", f"the stop strings total {stop_chars} characters; at most "
@@ -406,6 +425,29 @@ class ToolDef(_Strict):
     function: FunctionDef
 
 
+# OpenAI's rule for function names: they are written into the prompt and parsed back out of the reply,
+# so markup (`</tool_call>`), spaces or an empty name would break both
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_tools(tools: list[ToolDef] | None) -> None:
+    """The bound on how many tools a request defines, and OpenAI's pattern for their names (a 400
+    naming the tool). Their `parameters` schemas are checked by the grammar compiler (server/app.py)."""
+    if not tools:
+        return
+    if len(tools) > MAX_TOOLS:
+        raise UnsupportedError("tools", f"{len(tools)} tools were given; at most {MAX_TOOLS} are allowed")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if TOOL_NAME.fullmatch(name) is None:
+            raise UnsupportedError(f"tools.{i}.function.name", f"invalid tool name {name[:80]!r}: a function name "
+                                                               f"is 1 to 64 letters, digits, underscores or dashes")
+        if name in seen:
+            raise UnsupportedError(f"tools.{i}.function.name", f"two tools are named {name!r}; names must differ")
+        seen.add(name)
+
+
 class NamedFunction(_Strict):
     name: str
 
@@ -455,6 +497,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         for i, m in enumerate(self.messages):
             m.check(f"messages.{i}")
+        check_tools(self.tools)
         if self.forced_tools() is not None and self.structured_spec() is not None:
             raise UnsupportedError("tool_choice", "a forced tool call (tool_choice 'required' or a named function) "
                                                   "already constrains the output; drop the response_format / "
@@ -543,6 +586,7 @@ class TokenizeChatRequest(_Strict):
     def check_supported(self) -> None:
         for i, m in enumerate(self.messages):
             m.check(f"messages.{i}")
+        check_tools(self.tools)
 
     def active_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
 from specfleet.outputs import RequestOutput, TokenLogprob
-from specfleet.runtime.grammar import GrammarCompiler
+from specfleet.errors import InvalidRequestError
+from specfleet.runtime.grammar import GrammarCompiler, close_objects
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 from specfleet.server import tools
 from specfleet.server.errors import APIError
@@ -96,10 +97,19 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     else:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = None
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
-                          max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
-                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                          structured_outputs=structured)
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
+                            max_tokens=max_tokens, stop=stop, stop_token_ids=[*(req.stop_token_ids or []), *special_ids],
+                            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                            structured_outputs=structured, cache_salt=req.cache_salt)
+    return params
+
+
+def check_stop_token_ids(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    """A stop id outside the vocabulary could never be generated: a 400 rather than a stop that never fires."""
+    bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                       param="stop_token_ids")
 
 
 def is_constrained(req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -126,6 +136,21 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
     if spec is not None:
         compiler.grammar(spec)
     return spec
+
+
+def check_tool_parameters(tool_defs: list[Any], compiler: GrammarCompiler) -> None:
+    """Each tool's `parameters` JSON schema, compiled as a forced call would compile it (the same leniency),
+    whatever tool_choice is: an invalid one is a 400 naming the tool, with "auto" as with "required".
+    Compiled grammars are cached (runtime/grammar.py), so a client's usual tools cost this once."""
+    for i, tool in enumerate(tool_defs):
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        try:
+            compiler.grammar(StructuredOutputsParams(json=close_objects(schema), strict=False))
+        except InvalidRequestError as e:
+            raise APIError(400, f"tool {tool.function.name!r} has an invalid parameters schema: {e}",
+                           param=f"tools.{i}.function.parameters") from None
 
 
 class DeltaText:

@@ -62,26 +62,42 @@ def parser_for(template: str | None) -> str | None:
 def parse_tool_calls(text: str, tool_names: frozenset[str] = frozenset()) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a finished message. Without a well-formed call the text is all content.
     A last block the model did not close (it stopped at EOS right after the JSON) still counts; so does
-    a message that is only a bare call to one of `tool_names` (see the module docstring)."""
+    a message that is only a bare call to one of `tool_names` (see the module docstring). A last block
+    cut off before its JSON ended (max_tokens) does not undo the complete calls before it: they are
+    returned, and only the cut block's text becomes content (after the text before the first call)."""
+    lead, calls, tail = split_tool_calls(text, tool_names)
+    if not calls:
+        return text, []
+    content = "\n".join(part for part in (lead, tail) if part)
+    return content or None, calls
+
+
+def split_tool_calls(text: str, tool_names: frozenset[str] = frozenset()) -> tuple[str, list[ToolCall], str]:
+    """(the content before the first call, the complete calls, the text of a last call cut off), both texts
+    stripped; no calls means the message is all content."""
     start = text.find(TOOL_CALL_START)
     if start < 0:
-        return (None, bare) if (bare := _bare_calls(text, tool_names)) else (text, [])
+        bare = _bare_calls(text, tool_names)
+        return ("", bare, "") if bare else (text, [], "")
     calls: list[ToolCall] = []
-    for block in _BLOCK.finditer(text, start):
+    blocks = list(_BLOCK.finditer(text, start))
+    for k, block in enumerate(blocks):
         body = block.group(1).strip()
+        closed = block.group(0).endswith(TOOL_CALL_END)
         try:
             obj = json.loads(body)
         except ValueError:
-            return text, []
+            if k == len(blocks) - 1 and not closed and calls:  # the cut tail of a reply with complete calls
+                return text[:start].strip(), calls, text[block.start():].strip()
+            return text, [], ""
         for call in obj if isinstance(obj, list) else [obj]:
             parsed = _call(call)
             if parsed is None:
-                return text, []
+                return text, [], ""
             calls.append(parsed)
     if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls
+        return text, [], ""
+    return text[:start].strip(), calls, ""
 
 
 def _bare_calls(text: str, tool_names: frozenset[str]) -> list[ToolCall]:
@@ -142,7 +158,7 @@ def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool,
         {"name": "get_weather", "arguments": {"city": "Paris"}}
         </tool_call>
 
-    with `parallel`, one or more such blocks, one per line. The tags are written by `literal` (the grammar
+    with `parallel`, one or more such blocks, one per line, at most one per tool given. The tags are written by `literal` (the grammar
     compiler's, GrammarCompiler.literal), so a tokenizer that has them as single tokens (Qwen2.5) must
     write those tokens; the arguments follow the
     tool's `parameters` JSON schema (any object without one; no keys beyond its `properties` unless it
@@ -159,5 +175,7 @@ def forced_call_grammar(tool_defs: list[dict[str, Any]], parallel: bool,
                      f"{lark_string('}' + chr(10))} {literal(TOOL_CALL_END)}")
         rules.append(f"args_{i}: %json " + json.dumps(schema, ensure_ascii=False))
     call = "call: " + " | ".join(calls)
-    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    # at most one call per tool offered (as many as were asked for), never an unbounded run of calls
+    most = len(tool_defs)
+    start = f"start: call (\"\\n\" call){{0,{most - 1}}}" if parallel and most > 1 else "start: call"
     return StructuredOutputsParams(grammar="\n".join([start, call, *rules]))
