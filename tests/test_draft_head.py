@@ -211,3 +211,26 @@ def test_head_control_with_a_wrong_q_is_caught(setup):  # noqa: F811
     samples, _ = generate(target, _tiny_head(target, WrongQHead), prompt, PARAMS["t1"], NUM_REQUESTS, 5_000_000)
     p12, p123 = p_values(samples, joint)
     assert min(p12, p123) < ALPHA
+
+
+class _RunsOnLoad:
+    """An object whose unpickling would call a function: what a hostile head file could hold."""
+
+    def __reduce__(self):
+        return (print, ("code from a data file ran",))
+
+
+def test_a_head_file_holding_objects_is_refused_unloaded(tmp_path, capsys):
+    """load_head unpickles tensors, numbers and plain dicts only (torch.load weights_only): a file holding any
+    other object is an InvalidRequestError that names it, and nothing in it runs. A plain dict loads (control)."""
+    from specfleet.errors import InvalidRequestError
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"format": 0, "config": {}, "state": {}, "evil": _RunsOnLoad()}, bad)
+    with pytest.raises(InvalidRequestError, match="not a draft head file specfleet can load safely"):
+        load_head(bad)
+    assert "code from a data file ran" not in capsys.readouterr().out
+    plain = tmp_path / "plain.pt"
+    torch.save({"format": -1, "config": {}, "state": {}}, plain)
+    with pytest.raises(InvalidRequestError, match="head format -1"):  # read fine, refused for its format only
+        load_head(plain)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import pickle
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -276,7 +277,15 @@ def save_head(head: FeatureHead, path: Path, target_sha: str | None, meta: dict 
 
 
 def load_head(path: Path, expect_sha: str | None = None) -> tuple[FeatureHead, dict]:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: a head file holds tensors, numbers and plain dicts; unpickling anything else could run
+    # code from a data file, so such a file is refused, not loaded
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise InvalidRequestError(f"{path} is not a draft head file specfleet can load safely (tensors, numbers and "
+                                  f"plain dicts only): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(blob, dict):
+        raise InvalidRequestError(f"{path} is not a draft head file: it holds a {type(blob).__name__}")
     if blob.get("format") != FORMAT_VERSION:
         raise InvalidRequestError(f"{path}: head format {blob.get('format')}, expected {FORMAT_VERSION}")
     if expect_sha is not None and blob.get("target_sha256") not in (None, expect_sha):
