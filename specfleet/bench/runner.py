@@ -158,7 +158,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     for i, spec in enumerate(order):
         bar.set_postfix_str(f"{spec.label}: loading")
         pool.keep_only(_keys(order[i:], cfg))
-        if spec.kind == "llamacpp" and not llamacpp.available():
+        if spec.kind == "llamacpp" and not llamacpp.available(spec):
             _skip_llamacpp(spec, cfg, timed, bar, len(prompt_ids))
             continue
         system = _build(spec, cfg, pool, eos, pad)
@@ -285,7 +285,9 @@ def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
 def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
     """Token ids every system receives: the chat template exactly as specfleet's LLM.chat applies it."""
     if chat:
-        text = tokenizer.apply_chat_template(prompt.as_messages(), tokenize=False, add_generation_prompt=True)
+        tools = prompt.tool_list()  # tool-call loops offer tools: the template renders them (as LLM.chat's server does)
+        text = tokenizer.apply_chat_template(prompt.as_messages(), tokenize=False, add_generation_prompt=True,
+                                             **({"tools": tools} if tools else {}))
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt.as_raw_text(), add_special_tokens=True)
 
@@ -293,8 +295,9 @@ def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
 def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num_prompts: int) -> None:
     hint = llamacpp.install_hint()
     if not any(s["system"] == spec.label for s in timed.skipped):
-        print(f"specfleet bench: skipping {spec.label}: neither a llama-server (LLAMA_SERVER) nor llama-cpp-python; "
-              f"{hint}", file=sys.stderr)
+        what = ("no native llama-server (LLAMA_SERVER), which its speculation needs" if spec.draft
+                else "neither a llama-server (LLAMA_SERVER) nor llama-cpp-python")
+        print(f"specfleet bench: skipping {spec.label}: {what}; {hint}", file=sys.stderr)
     timed.skipped.append({"system": spec.label, "batch_size": None, "reason": f"not installed: {hint}"})
     bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
 
