@@ -226,8 +226,8 @@ def _workload_part(name: str) -> RunConfig:
 def _workload_checks(name: str) -> tuple[Check, ...]:
     floor = WORKLOADS[name][-1]
     fleet, plain = (f"specfleet:{FLEET}", 1), ("specfleet:none", 1)
-    note = f">= {floor}x" if floor else "(reported)"
-    return (Check(f"{name}: default speculation {note} specfleet plain decoding", name, fleet, plain,
+    label = f">= {floor}x specfleet plain decoding" if floor else "vs specfleet plain decoding (reported)"
+    return (Check(f"{name}: default speculation {label}", name, fleet, plain,
                   "throughput_tok_s", floor),
             Check(f"{name}: default speculation vs plain, decode tok/s (reported)", name, fleet, plain,
                   "decode_throughput_tok_s", 0.0),

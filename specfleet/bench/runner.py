@@ -1,7 +1,8 @@
 """Running a preset: load each model once, tokenize the prompts once, then run every system over the
 same prompt ids at every batch size, one wave of `batch_size` prompts at a time.
 
-Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once,
+Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once (on the
+first prompt reversed: the same length, nothing to reuse),
 time its waves at each batch size, close it -> compare outputs with the baseline -> summarize.
 Systems run one after another in the same process (not interleaved) so that only one system's KV
 cache and draft are alive at a time; loaded weights are shared through a ModelPool, which drops a
@@ -165,7 +166,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
         system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                             "settings": system.notes})
         bar.set_postfix_str(f"{spec.label}: warm-up")
-        system.generate(prompt_ids[:1], replace(settings, max_tokens=min(8, settings.max_tokens)))
+        system.generate([warmup_ids(prompt_ids[0])], replace(settings, max_tokens=min(8, settings.max_tokens)))
         if cfg.micro:  # prefill at fixed lengths, c(k), memory: once per system and round
             system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
         for b in cfg.batch_sizes:
@@ -280,6 +281,13 @@ def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
 
     prompts = datasets.select(source, cfg.num_prompts, cfg.shuffle_seed, keep)
     return prompts, [encoded[p.prompt_id] for p in prompts], is_chat
+
+
+def warmup_ids(ids: list[int]) -> list[int]:
+    """The warm-up prompt: the first prompt's ids in reverse, as long as it but sharing no prefix with it, so a
+    system with a prefix cache (specfleet's is on by default) or a drafter that remembers past outputs (suffix
+    decoding) gets nothing of the first timed prompt from its warm-up, as a server started without them does."""
+    return ids[::-1]
 
 
 def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
