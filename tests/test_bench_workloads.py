@@ -170,6 +170,9 @@ def test_workloads_preset_runs_plain_default_and_both_llama_speculations():
         assert any(s.startswith("llamacpp:draft-simple") and "qwen-0.5b" in s for s in r.systems)
         assert r.dataset in datasets.dataset_names()
     assert {c.part for c in preset.checks} == {r.name for r in preset.runs}
+    code = next(r for r in preset.runs if r.name == "code-edit")
+    chosen = datasets.select(datasets.iter_prompts("code-edit")[0], code.num_prompts, code.shuffle_seed)
+    assert {p.prompt_id.split(":")[1] for p in chosen} == set(datasets.CODE_EDIT_TASKS)  # every kind of edit is timed
 
 
 def test_llama_speculation_options():

@@ -209,7 +209,8 @@ LLAMA_NGRAM, LLAMA_DRAFT = "llamacpp:ngram-mod", "llamacpp:draft-simple,draft_mo
 _WORKLOAD_SYSTEMS = ("specfleet:none", f"specfleet:{FLEET}", LLAMA_NGRAM, LLAMA_DRAFT)
 # part -> (dataset, prompts, max prompt tokens, max new tokens, shuffle seed, the issue's floor over plain)
 WORKLOADS = {
-    "code-edit": ("code-edit", 4, 1600, 512, 0, 2.5),  # a whole file in, the edited file out (capped at 512)
+    # a whole file in, the edited file out (capped at 512); in file order, whose first four hold all three edits
+    "code-edit": ("code-edit", 4, 1600, 512, None, 2.5),
     "chat": ("sharegpt-multiturn", 4, 1024, 128, 0, 1.3),  # a later ShareGPT turn, earlier turns as context
     "tool-loop": ("tool-loop", 4, 1536, 64, 0, 0.0),  # BFCL: call, result, ..., the next call
     "humaneval": ("humaneval", 4, 512, 128, None, 1.5),  # fresh code (raw completion prompt)
