@@ -373,4 +373,5 @@ def select_parts(preset: Preset, names: list[str] | None) -> Preset:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SpecfleetError(f"preset {preset.name} has no part(s) {unknown}; its parts are {known}")
-    return replace(preset, runs=tuple(r for r in preset.runs if r.name in names))
+    return replace(preset, runs=tuple(r for r in preset.runs if r.name in names),
+                   checks=tuple(c for c in preset.checks if c.part in names))  # a left-out part's claims are not run
