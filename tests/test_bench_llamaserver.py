@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from specfleet.bench import llamacpp
-from specfleet.bench.systems import Settings, SystemSpec
+from specfleet.bench.systems import Settings, SystemSpec, parse_system
 
 FAKE = textwrap.dedent('''
     import json, os, sys
@@ -41,7 +41,10 @@ FAKE = textwrap.dedent('''
                 return
             for i, t in enumerate(toks):
                 last = i == len(toks) - 1
-                self.wfile.write(("data: " + json.dumps({"tokens": [t], "stop": last}) + "\\n\\n").encode())
+                chunk = {"tokens": [t], "stop": last}
+                if last and "--spec-type" in args:  # a speculating server counts its drafts in its timings
+                    chunk["timings"] = {"draft_n": 2 * len(toks), "draft_n_accepted": len(toks) // 2}
+                self.wfile.write(("data: " + json.dumps(chunk) + "\\n\\n").encode())
                 self.wfile.flush()
 
     HTTPServer(("127.0.0.1", port), H).serve_forever()
@@ -93,3 +96,19 @@ def test_a_server_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(script))
     with pytest.raises(Exception, match="exited with 3.*unknown argument"):
         llamacpp.make_system(SystemSpec("llamacpp", "llamacpp"), str(gguf), eos_token_ids=(7,))
+
+
+def test_the_server_speculates_with_the_spec_type_and_draft_it_is_given(fake_server):
+    gguf, log = fake_server
+    spec = parse_system(f"llamacpp:draft-simple,draft_model={str(gguf)!r}")
+    system = llamacpp.make_system(spec, str(gguf), eos_token_ids=(7,))
+    try:
+        args = json.loads(log.read_text())["args"]
+        at = args.index("--spec-type")
+        assert args[at:at + 4] == ["--spec-type", "draft-simple", "-md", str(gguf)] and "--no-repack" in args
+        assert system.notes["speculation"] == ["--spec-type", "draft-simple", "-md", str(gguf)]
+        gen = system.generate([[1, 2, 3]], Settings(max_tokens=9, ignore_eos=True))[0]
+        # the stand-in drafted 18 and accepted 4 of 9 tokens: 1 from the prefill, 4 steps made the other 8
+        assert gen.output_ids == list(range(4, 13)) and gen.spec == {"steps": 4, "drafted": 18, "accepted": 4}
+    finally:
+        system.close()

@@ -145,6 +145,8 @@ def test_presets_are_valid():
     assert spec.runs[1].batch_sizes == (4, 16)
     with pytest.raises(SpecfleetError, match="no part"):
         select_parts(spec, ["nope"])
+    one = select_parts(spec, ["batched"])  # one part: its own claims only
+    assert [r.name for r in one.runs] == ["batched"] and one.checks and {c.part for c in one.checks} == {"batched"}
 
 
 def test_cli_overrides_every_part():

@@ -9,6 +9,13 @@ AMX path crashes; the report records them). Otherwise the binding runs in this p
 threads as torch uses (`LlamaCppSystem`); its wheels are not always native builds, and the report says
 which system ran.
 
+Speculation (a native server only): `llamacpp:SPEC_TYPE[,draft_model=MODEL][,key=value...]` starts the server
+with `--spec-type SPEC_TYPE` (e.g. `ngram-mod`, or `draft-simple` with `draft_model=qwen-0.5b`, the GGUF file
+a registered draft name resolves to, passed as `-md`); any other option becomes `--key-with-dashes value`
+(`spec_draft_n_max=8` -> `--spec-draft-n-max 8`). Everything else is the server's default. Its drafted and
+accepted counts come from the server's own timings (`draft_n`, `draft_n_accepted`); its steps are the tokens
+after the first minus the accepted ones (each step emits its accepted tokens plus one).
+
 Either way it runs the same GGUF file specfleet loads (a registered name resolves to the same assembled
 file), on the same token-id prompts, greedy, one request at a time. Timings come from the token stream:
 TTFT is submission to the first token (the prompt's prefill plus one sampled token), the rest are decode
@@ -45,7 +52,10 @@ def native_server() -> str | None:
     return path if path and os.access(path, os.X_OK) else None
 
 
-def available() -> bool:
+def available(spec: SystemSpec | None = None) -> bool:
+    """Whether this system can run here: speculation needs a native server, plain decoding either."""
+    if spec is not None and (spec.draft or spec.options):
+        return native_server() is not None
     return native_server() is not None or importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -54,7 +64,29 @@ def make_system(spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...])
     server = native_server()
     if server is not None:
         return LlamaServerSystem(spec, model, server, eos_token_ids=eos_token_ids)
+    if spec.draft or spec.options:
+        raise SpecfleetError(f"system {spec.label!r}: llama.cpp's speculation is measured through a native "
+                             "llama-server only; set LLAMA_SERVER to one")
     return LlamaCppSystem(spec, model, eos_token_ids=eos_token_ids)
+
+
+def spec_args(spec: SystemSpec) -> list[str]:
+    """The llama-server options for a system's speculation: [] for plain `llamacpp`."""
+    if not spec.draft:
+        if spec.options:
+            raise SpecfleetError(f"system {spec.label!r}: options need a speculation type, e.g. "
+                                 "llamacpp:draft-simple,draft_model=qwen-0.5b")
+        return []
+    args = ["--spec-type", spec.draft]
+    for key, value in spec.options.items():
+        if key == "draft_model":
+            args += ["-md", str(gguf_path(str(value)))]
+        else:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    if spec.draft.startswith("draft") and "draft_model" not in spec.options:
+        raise SpecfleetError(f"system {spec.label!r}: llama.cpp's {spec.draft} needs a draft model: add "
+                             "draft_model=NAME (e.g. qwen-0.5b)")
+    return args
 
 
 def install_hint() -> str:
@@ -140,17 +172,18 @@ class LlamaServerSystem(_Greedy):
         self.eos_token_ids = tuple(eos_token_ids)
         self.path = gguf_path(model)
         extra = shlex.split(os.environ.get("LLAMA_SERVER_ARGS", ""))
+        speculation = spec_args(spec)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         cmd = [binary, "-m", str(self.path), "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(n_ctx),
-               *extra]
+               *speculation, *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{port}"
         self.notes = {"gguf": self.path.name, "runs": "llama-server (native, own process)", "binary": binary,
-                      "args": extra, "threads": "llama.cpp's default", "n_ctx": n_ctx}
+                      "args": extra, "threads": "llama.cpp's default", "n_ctx": n_ctx, "speculation": speculation}
         deadline = time.monotonic() + startup_s
         while True:
             if self.proc.poll() is not None:
@@ -178,6 +211,7 @@ class LlamaServerSystem(_Greedy):
         out: list[int] = []
         t0 = time.perf_counter()
         ttft = None
+        timings: dict = {}
         body = self._body(prompt_ids, settings.max_tokens, settings.ignore_eos, True)
         with self._httpx.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
             if r.status_code != 200:
@@ -191,9 +225,10 @@ class LlamaServerSystem(_Greedy):
                     ttft = time.perf_counter() - t0
                 out.extend(int(t) for t in toks)
                 if chunk.get("stop"):
+                    timings = chunk.get("timings") or {}
                     break
         out = out[:settings.max_tokens]
-        return Generation(out, time.perf_counter() - t0, ttft, spec={"steps": len(out), "drafted": 0, "accepted": 0})
+        return Generation(out, time.perf_counter() - t0, ttft, spec=server_spec_counts(len(out), timings))
 
     def prefill_seconds(self, prompt_ids: list[int]) -> float:
         """Seconds the server reports for evaluating `prompt_ids` from an empty cache (its own prompt timing)."""
@@ -211,3 +246,14 @@ class LlamaServerSystem(_Greedy):
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def server_spec_counts(num_tokens: int, timings: dict) -> dict:
+    """Steps, drafted and accepted tokens of one request from llama-server's final timings: the server counts
+    drafted (`draft_n`) and accepted (`draft_n_accepted`) tokens; every decode step after the prefill's token
+    emits its accepted tokens plus one, so steps = tokens - 1 - accepted (plain decoding: tokens - 1, and then
+    the steps are one per token as before)."""
+    drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
+    if not drafted:
+        return {"steps": num_tokens, "drafted": 0, "accepted": 0}
+    return {"steps": max(1, num_tokens - 1 - accepted), "drafted": drafted, "accepted": accepted}

@@ -215,6 +215,43 @@ def _fleet_checks(part: str, floor: float) -> tuple[Check, ...]:
 
 _ALL = ("specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "hf", "hf-assisted:qwen-0.5b")
 
+# issue 43: the workloads where users meet speculation, each on data that others wrote (bench/datasets.py):
+# specfleet's plain decoding and its default speculation for the model (the CPU default draft, FLEET) on the same
+# prompts, beside llama-server's speculation in its own process with its defaults (`--spec-type ngram-mod`, and
+# `draft-simple` with the 0.5B GGUF as `-md`); the 1.5B GGUF as it is, greedy, batch 1, two rounds in alternating
+# order; speculative outputs compared with plain ones per prompt (the report's "= AR out")
+LLAMA_NGRAM, LLAMA_DRAFT = "llamacpp:ngram-mod", "llamacpp:draft-simple,draft_model=qwen-0.5b"
+_WORKLOAD_SYSTEMS = ("specfleet:none", f"specfleet:{FLEET}", LLAMA_NGRAM, LLAMA_DRAFT)
+# part -> (dataset, prompts, max prompt tokens, max new tokens, shuffle seed, the issue's floor over plain)
+WORKLOADS = {
+    # a whole file in, the edited file out (capped at 512); in file order, whose first four hold all three edits
+    "code-edit": ("code-edit", 4, 1600, 512, None, 2.5),
+    "chat": ("sharegpt-multiturn", 4, 1024, 128, 0, 1.3),  # a later ShareGPT turn, earlier turns as context
+    "tool-loop": ("tool-loop", 4, 1536, 64, 0, 0.0),  # BFCL: call, result, ..., the next call
+    "humaneval": ("humaneval", 4, 512, 128, None, 1.5),  # fresh code (raw completion prompt)
+}
+
+
+def _workload_part(name: str) -> RunConfig:
+    dataset, num, max_prompt, max_tokens, seed, _ = WORKLOADS[name]
+    return RunConfig(name=name, systems=_WORKLOAD_SYSTEMS, dataset=dataset, num_prompts=num, shuffle_seed=seed,
+                     max_prompt_tokens=max_prompt, max_tokens=max_tokens, batch_sizes=(1,), quantization="gguf",
+                     rounds=2)
+
+
+def _workload_checks(name: str) -> tuple[Check, ...]:
+    floor = WORKLOADS[name][-1]
+    fleet, plain = (f"specfleet:{FLEET}", 1), ("specfleet:none", 1)
+    label = f">= {floor}x specfleet plain decoding" if floor else "vs specfleet plain decoding (reported)"
+    return (Check(f"{name}: default speculation {label}", name, fleet, plain,
+                  "throughput_tok_s", floor),
+            Check(f"{name}: default speculation vs plain, decode tok/s (reported)", name, fleet, plain,
+                  "decode_throughput_tok_s", 0.0),
+            Check(f"{name}: default speculation >= 1.5x llama-server ngram-mod", name, fleet, (LLAMA_NGRAM, 1),
+                  "throughput_tok_s", 1.5),
+            Check(f"{name}: default speculation >= 1.5x llama-server draft-simple (0.5B)", name, fleet,
+                  (LLAMA_DRAFT, 1), "throughput_tok_s", 1.5))
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", "smoke test: SmolLM2-135M, 2 HumanEval prompts, 8 tokens, fp32",
            (RunConfig(name="tiny", model="smollm2-135m-instruct", dataset="humaneval", num_prompts=2,
@@ -314,6 +351,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                     ("llamacpp", 1), "throughput_tok_s", 1.5),),
            expected_duration="about 2-2.5 hours on 2 CPU cores at full size (--parts humaneval and --rounds 1 for "
                              "a run of about 25 minutes)"),
+    Preset("workloads", "issue 43: where users meet speculation - code edits (a whole Python stdlib file and an "
+           "edit instruction, the edited file out, up to 512 tokens), multi-turn chat (a later ShareGPT turn with the "
+           "earlier ones as context, 128 tokens), tool-call loops (BFCL multi-turn: calls and their results from "
+           "BFCL's simulated APIs, then the next call, 64 tokens) and HumanEval fresh code (128 tokens); 4 prompts "
+           "each, 1.5B GGUF, greedy, batch 1: specfleet plain and its default speculation beside llama-server's "
+           "ngram-mod and draft-simple (0.5B) speculation, two rounds in alternating order",
+           tuple(_workload_part(n) for n in WORKLOADS), tuple(c for n in WORKLOADS for c in _workload_checks(n)),
+           expected_duration="about 8-10 minutes a part on 2 CPU cores (--parts code-edit for one)"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
                       batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),
@@ -343,4 +388,5 @@ def select_parts(preset: Preset, names: list[str] | None) -> Preset:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SpecfleetError(f"preset {preset.name} has no part(s) {unknown}; its parts are {known}")
-    return replace(preset, runs=tuple(r for r in preset.runs if r.name in names))
+    return replace(preset, runs=tuple(r for r in preset.runs if r.name in names),
+                   checks=tuple(c for c in preset.checks if c.part in names))  # a left-out part's claims are not run

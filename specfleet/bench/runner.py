@@ -1,7 +1,8 @@
 """Running a preset: load each model once, tokenize the prompts once, then run every system over the
 same prompt ids at every batch size, one wave of `batch_size` prompts at a time.
 
-Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once,
+Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once (on the
+first prompt reversed: the same length, nothing to reuse),
 time its waves at each batch size, close it -> compare outputs with the baseline -> summarize.
 Systems run one after another in the same process (not interleaved) so that only one system's KV
 cache and draft are alive at a time; loaded weights are shared through a ModelPool, which drops a
@@ -158,14 +159,14 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     for i, spec in enumerate(order):
         bar.set_postfix_str(f"{spec.label}: loading")
         pool.keep_only(_keys(order[i:], cfg))
-        if spec.kind == "llamacpp" and not llamacpp.available():
+        if spec.kind == "llamacpp" and not llamacpp.available(spec):
             _skip_llamacpp(spec, cfg, timed, bar, len(prompt_ids))
             continue
         system = _build(spec, cfg, pool, eos, pad)
         system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                             "settings": system.notes})
         bar.set_postfix_str(f"{spec.label}: warm-up")
-        system.generate(prompt_ids[:1], replace(settings, max_tokens=min(8, settings.max_tokens)))
+        system.generate([warmup_ids(prompt_ids[0])], replace(settings, max_tokens=min(8, settings.max_tokens)))
         if cfg.micro:  # prefill at fixed lengths, c(k), memory: once per system and round
             system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
         for b in cfg.batch_sizes:
@@ -282,10 +283,19 @@ def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
     return prompts, [encoded[p.prompt_id] for p in prompts], is_chat
 
 
+def warmup_ids(ids: list[int]) -> list[int]:
+    """The warm-up prompt: the first prompt's ids in reverse, as long as it but sharing no prefix with it, so a
+    system with a prefix cache (specfleet's is on by default) or a drafter that remembers past outputs (suffix
+    decoding) gets nothing of the first timed prompt from its warm-up, as a server started without them does."""
+    return ids[::-1]
+
+
 def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
     """Token ids every system receives: the chat template exactly as specfleet's LLM.chat applies it."""
     if chat:
-        text = tokenizer.apply_chat_template(prompt.as_messages(), tokenize=False, add_generation_prompt=True)
+        tools = prompt.tool_list()  # tool-call loops offer tools: the template renders them (as LLM.chat's server does)
+        text = tokenizer.apply_chat_template(prompt.as_messages(), tokenize=False, add_generation_prompt=True,
+                                             **({"tools": tools} if tools else {}))
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt.as_raw_text(), add_special_tokens=True)
 
@@ -293,8 +303,9 @@ def encode_prompt(prompt: datasets.Prompt, tokenizer, chat: bool) -> list[int]:
 def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num_prompts: int) -> None:
     hint = llamacpp.install_hint()
     if not any(s["system"] == spec.label for s in timed.skipped):
-        print(f"specfleet bench: skipping {spec.label}: neither a llama-server (LLAMA_SERVER) nor llama-cpp-python; "
-              f"{hint}", file=sys.stderr)
+        what = ("no native llama-server (LLAMA_SERVER), which its speculation needs" if spec.draft
+                else "neither a llama-server (LLAMA_SERVER) nor llama-cpp-python")
+        print(f"specfleet bench: skipping {spec.label}: {what}; {hint}", file=sys.stderr)
     timed.skipped.append({"system": spec.label, "batch_size": None, "reason": f"not installed: {hint}"})
     bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
 

@@ -8,6 +8,8 @@ A system is named by a string:
                                      lookup for `prompt-lookup`/`ngram` (batch size 1 only)
     llamacpp                         llama.cpp on the same GGUF file (bench/llamacpp.py; batch size 1,
                                      greedy; needs the `llamacpp` extra, skipped with a hint without it)
+    llamacpp:SPEC_TYPE[,draft_model=M,key=value...]   a native llama-server with `--spec-type SPEC_TYPE`
+                                     (ngram-mod; draft-simple with draft_model=qwen-0.5b as `-md`)
 Shorthands: `ar` = `specfleet:none`, `transformers` = `hf`. specfleet options: k (draft tokens per
 step), width (tree branching), nodes (tree node budget); any other key is passed to `LLM(...)` as a
 keyword (so new engine settings, such as pipelining, need no change here).
@@ -63,9 +65,11 @@ def parse_system(text: str) -> SystemSpec:
     draft = ",".join(parts) or None
     if kind == "specfleet" and draft is None:
         draft = "none"
-    if kind in ("hf", "llamacpp") and draft is not None:
-        raise SpecfleetError(f"system {text!r}: {kind} takes no draft" + (f"; use hf-assisted:{draft}" if kind == "hf"
-                                                                          else ""))
+    if kind == "hf" and draft is not None:
+        raise SpecfleetError(f"system {text!r}: hf takes no draft; use hf-assisted:{draft}")
+    if kind == "llamacpp" and draft is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", draft):
+        raise SpecfleetError(f"system {text!r}: llamacpp:SPEC_TYPE takes one of llama-server's --spec-type names "
+                             f"(e.g. ngram-mod, draft-simple), got {draft!r}")
     if kind == "hf-assisted" and (draft is None or draft.lower() == "none"):
         raise SpecfleetError(f"system {text!r}: hf-assisted needs a draft, e.g. hf-assisted:qwen-0.5b")
     return SystemSpec(label, kind, draft, dict(reversed(options.items())))
