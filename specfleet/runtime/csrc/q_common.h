@@ -88,7 +88,7 @@ ALWAYS_INLINE __m512 pair_f(__m256 a, __m256 b) {
 }
 ALWAYS_INLINE __m512i both_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)p)); }
 ALWAYS_INLINE __m512 both_f(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd((const double *)p))); }
-static inline void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
+ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
     for (int r = 0; r < R; r++) {
         out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
         out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
@@ -159,44 +159,6 @@ ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
         }                                                                                         \
     }
 
-#define RTILE 32 /* activation rows per pass of a kernel that takes the row count at run time */
-
-/* The same for a format whose kernel FNR takes the row count at run time (up to RTILE rows per pass,
- * its accumulators in memory): one activation row goes to FN with R = 1 (the decode step), more to FNR,
- * which must give each row the bits FN gives it alone. */
-#define DEFINE_COLUMNS_RT(NAME, FN, FNR, XT)                                                      \
-    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
-                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
-                     const float *bias, int accumulate) {                                         \
-        if (c1 - c0 == 1) { /* one activation row (a decode step), as DEFINE_COLUMNS */            \
-            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
-            float *yr = y + c0 * ldy;                                                             \
-            for (int64_t n = n0; n < n1; n++) {                                                   \
-                float v;                                                                          \
-                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
-                if (bias) v += bias[n];                                                           \
-                yr[n] = accumulate ? yr[n] + v : v;                                               \
-            }                                                                                     \
-            return;                                                                               \
-        }                                                                                         \
-        for (int64_t m0 = c0; m0 < c1; m0 += RTILE) {                                             \
-            const int R = (int)(c1 - m0 < RTILE ? c1 - m0 : RTILE);                               \
-            const XT *xs[RTILE];                                                                  \
-            for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
-            for (int64_t n = n0; n < n1; n++) {                                                   \
-                float out[RTILE];                                                                 \
-                if (R == 1) FN(W + n * row_bytes, nb, xs, 1, out);                                \
-                else FNR(W + n * row_bytes, nb, xs, R, out);                                      \
-                for (int r = 0; r < R; r++) {                                                     \
-                    float v = out[r];                                                             \
-                    if (bias) v += bias[n];                                                       \
-                    float *dst = y + (m0 + r) * ldy + n;                                          \
-                    *dst = accumulate ? *dst + v : v;                                             \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-
 /* The same with weight rows taken two at a time where an activation tile has more than one row: FN2
  * (rows n and n + 1, one pass over both) must give each row the bits FN gives it alone (the odd last
  * row of a range and one-row calls take FN). */
@@ -234,37 +196,6 @@ ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
                 }                                                                                 \
             }                                                                                     \
         if (n < n1) NAME##_single(W, row_bytes, nb, a, arb, c0, c1, n, n1, y, ldy, bias, accumulate); \
-    }
-
-/* DEFINE_COLUMNS_PAIRED for a pair kernel FN2 that takes the row count at run time (up to RTILE rows per
- * pass, as DEFINE_COLUMNS_RT) */
-#define DEFINE_COLUMNS_PAIRED_RT(NAME, FN, FN2, XT)                                               \
-    DEFINE_COLUMNS(NAME##_single, FN, XT)                                                         \
-    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
-                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
-                     const float *bias, int accumulate) {                                         \
-        int64_t n = n0;                                                                           \
-        if (c1 - c0 > 1)                                                                          \
-            for (int64_t m0 = c0; m0 < c1; m0 += RTILE) {                                         \
-                const int R = (int)(c1 - m0 < RTILE ? c1 - m0 : RTILE);                           \
-                if (R == 1) { NAME##_single(W, row_bytes, nb, a, arb, m0, m0 + 1, n0, n1, y, ldy, bias, accumulate); continue; } \
-                const XT *xs[RTILE];                                                              \
-                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);             \
-                for (n = n0; n + 1 < n1; n += 2) {                                                \
-                    const uint8_t *w0 = W + n * row_bytes, *w1 = w0 + row_bytes;                  \
-                    float o0[RTILE], o1[RTILE];                                                   \
-                    FN2(w0, w1, nb, xs, R, o0, o1);                                               \
-                    for (int r = 0; r < R; r++) {                                                 \
-                        float v0 = o0[r], v1 = o1[r];                                             \
-                        if (bias) { v0 += bias[n]; v1 += bias[n + 1]; }                           \
-                        float *dst = y + (m0 + r) * ldy + n;                                      \
-                        dst[0] = accumulate ? dst[0] + v0 : v0;                                   \
-                        dst[1] = accumulate ? dst[1] + v1 : v1;                                   \
-                    }                                                                             \
-                }                                                                                 \
-                if (n < n1) NAME##_single(W, row_bytes, nb, a, arb, m0, m0 + R, n, n1, y, ldy, bias, accumulate); \
-            }                                                                                     \
-        else NAME##_single(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);  \
     }
 
 #endif

@@ -37,14 +37,7 @@
  * scales multiply those int32 totals (vpmulld). That is the same integer as the AVX2 path's madd of the
  * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
  * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
- * int16 adds and 1 to 4 madds.
- *
- * Several activation rows (verification, prefill): rows_q4_k / rows_q6_k (AVX2) and rows2_q4_k /
- * rows2_q6_k (AVX512-VNNI, two weight rows per 512-bit register) unpack a weight block once, hold it in
- * registers, and run each row through one fixed inline-asm sequence, its accumulator in memory, up to
- * RTILE rows per pass. Per row and block that is the floor of this design: on Zen 5 maddubs, madd,
- * vpdpbusd, mul and FMA share two pipes, so AVX2 Q4_K needs 12 of those per row and block (8 maddubs,
- * 1 madd, mul, fnmadd, fmadd: 6 cycles), Q6_K 15. */
+ * int16 adds and 1 to 4 madds. */
 #include "q_common.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
@@ -265,68 +258,6 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     }
     pair_out(acc, R, out0, out1);
 }
-/* dot2_q4_k for many activation rows (R at run time, up to RTILE; DEFINE_COLUMNS_PAIRED_RT): the two
- * rows' unpacked registers stay in registers and each activation row runs one fixed instruction
- * sequence (inline assembly, as AVX2's rows_q4_k), its accumulator in memory between blocks. Lane by
- * lane it is dot2_q4_k's sequence, so q4k_block_acc's: the same bits. */
-static void rows2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
-                       float *out0, float *out1) {
-    __m512 acc[RTILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q4_k));
-        stream_ahead(&w1[b], sizeof(b_q4_k));
-        __m256 fd0, fm0, fd1, fm1;
-        q4k_float_scales(&w0[b], &fd0, &fm0);
-        q4k_float_scales(&w1[b], &fd1, &fm1);
-        const __m512 fd = pair_f(fd0, fd1), fm = pair_f(fm0, fm1);
-        __m512i q[8];
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qs + 32 * c)),
-                                     _mm256_loadu_si256((const __m256i *)(w1[b].qs + 32 * c)));
-            q[c] = _mm512_and_si512(v, m4);
-            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = &x[r][b];
-            __m512i p, t, u;
-            __m512i v;
-            __asm__("vpxord %[p], %[p], %[p]\n\t"
-                    "vpxord %[v], %[v], %[v]\n\t"
-                    "vbroadcasti64x4 0(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 128(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q0], %[p]\n\t"
-                    "vpdpbusd %[u], %[q4], %[v]\n\t"
-                    "vbroadcasti64x4 32(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 160(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q1], %[p]\n\t"
-                    "vpdpbusd %[u], %[q5], %[v]\n\t"
-                    "vbroadcasti64x4 64(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 192(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q2], %[p]\n\t"
-                    "vpdpbusd %[u], %[q6], %[v]\n\t"
-                    "vbroadcasti64x4 96(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 224(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q3], %[p]\n\t"
-                    "vpdpbusd %[u], %[q7], %[v]\n\t"
-                    "vpaddd %[v], %[p], %[p]\n\t"
-                    "vcvtdq2ps %[p], %[p]\n\t"
-                    "vmulps %[fd], %[p], %[p]\n\t"
-                    "vbroadcastf64x4 256(%[x]), %[t]\n\t"
-                    "vfnmadd231ps %[t], %[fm], %[p]\n\t"
-                    "vbroadcastss 320(%[x]), %[u]\n\t"
-                    "vfmadd213ps %[acc], %[u], %[p]\n\t"
-                    "vmovaps %[p], %[acc]"
-                    : [acc] "+m"(acc[r]), [p] "=&v"(p), [t] "=&v"(t), [u] "=&v"(u), [v] "=&v"(v)
-                    : [x] "r"(xb), [q0] "v"(q[0]), [q1] "v"(q[1]), [q2] "v"(q[2]), [q3] "v"(q[3]), [q4] "v"(q[4]),
-                      [q5] "v"(q[5]), [q6] "v"(q[6]), [q7] "v"(q[7]), [fd] "v"(fd), [fm] "v"(fm),
-                      "m"(*(const char(*)[sizeof(xq256)])xb));
-        }
-    }
-    pair_out(acc, R, out0, out1);
-}
 #endif
 
 /* Q6_K: registers in activation order; the first half (x registers 0..3) holds the first 16 weights
@@ -432,75 +363,6 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     }
     pair_out(acc, R, out0, out1);
 }
-/* dot2_q6_k for many activation rows (as rows2_q4_k): lane by lane dot2_q6_k's sequence, so dot_q6_k's bits */
-static void rows2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
-                       float *out0, float *out1) {
-    __m512 acc[RTILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
-    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q6_k));
-        stream_ahead(&w1[b], sizeof(b_q6_k));
-        const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
-        const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
-        const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
-        const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
-        const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
-        __m512i q[8], l[4];
-        for (int i = 0; i < 4; i++)
-            l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i)),
-                          _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i)));
-        for (int g = 0; g < 2; g++) {
-            const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g)),
-                                     _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g)));
-            const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
-                                    _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
-            for (int i = 0; i < 4; i++)
-                q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
-        }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = &x[r][b];
-            __m512i f, h, t, u;
-            __asm__("vpxord %[f], %[f], %[f]\n\t"
-                    "vpxord %[h], %[h], %[h]\n\t"
-                    "vbroadcasti64x4 0(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 128(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q0], %[f]\n\t"
-                    "vpdpbusd %[u], %[q4], %[h]\n\t"
-                    "vbroadcasti64x4 32(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 160(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q1], %[f]\n\t"
-                    "vpdpbusd %[u], %[q5], %[h]\n\t"
-                    "vbroadcasti64x4 64(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 192(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q2], %[f]\n\t"
-                    "vpdpbusd %[u], %[q6], %[h]\n\t"
-                    "vbroadcasti64x4 96(%[x]), %[t]\n\t"
-                    "vbroadcasti64x4 224(%[x]), %[u]\n\t"
-                    "vpdpbusd %[t], %[q3], %[f]\n\t"
-                    "vpdpbusd %[u], %[q7], %[h]\n\t"
-                    "vpmulld %[sf], %[f], %[f]\n\t"
-                    "vpmulld %[sl], %[h], %[h]\n\t"
-                    "vpaddd %[h], %[f], %[f]\n\t"
-                    "vbroadcasti64x4 288(%[x]), %[t]\n\t"
-                    "vpmaddwd %[sc16], %[t], %[t]\n\t"
-                    "vpslld $5, %[t], %[t]\n\t"
-                    "vpsubd %[t], %[f], %[f]\n\t"
-                    "vcvtdq2ps %[f], %[f]\n\t"
-                    "vmulps 320(%[x])%{1to16%}, %[dw], %[t]\n\t"
-                    "vfmadd213ps %[acc], %[t], %[f]\n\t"
-                    "vmovaps %[f], %[acc]"
-                    : [acc] "+m"(acc[r]), [f] "=&v"(f), [h] "=&v"(h), [t] "=&v"(t), [u] "=&v"(u)
-                    : [x] "r"(xb), [q0] "v"(q[0]), [q1] "v"(q[1]), [q2] "v"(q[2]), [q3] "v"(q[3]), [q4] "v"(q[4]),
-                      [q5] "v"(q[5]), [q6] "v"(q[6]), [q7] "v"(q[7]), [sf] "v"(s_first), [sl] "v"(s_last),
-                      [sc16] "v"(sc16), [dw] "v"(dw), "m"(*(const char(*)[sizeof(xq256)])xb));
-        }
-    }
-    pair_out(acc, R, out0, out1);
-}
 #endif
 #else /* AVX2 */
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
@@ -526,63 +388,6 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
         }
         for (int r = 0; r < R; r++) /* the int16 pairs of each dword summed: the sub-block totals */
             acc[r] = q4k_block_acc(_mm256_madd_epi16(p[r], _mm256_set1_epi16(1)), fd, fm, &x[r][b], acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-
-/* Many activation rows (R at run time, 2..RTILE; DEFINE_COLUMNS_RT): the block's eight registers are
- * unpacked once and held in registers while the rows take their turns. A row's turn is one fixed
- * instruction sequence (inline assembly: GCC's own schedule interleaved the rows, kept their partial
- * sums live and spilled the unpacked weights): its eight products summed in int16 (exact in any order,
- * see above), the pairs of each dword summed (madd with ones: the sub-block totals), then q4k_block_acc's
- * instructions, mul, fnmadd, fmadd, into the row's accumulator, which stays in memory between blocks.
- * So a row gets the bits dot_q4_k gives it alone. Operand offsets: xq256's q at 0, fsum at 256, d at 320. */
-_Static_assert(__builtin_offsetof(xq256, fsum) == 256 && __builtin_offsetof(xq256, d) == 320, "xq256 layout");
-static void rows_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
-    __m256 acc[RTILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const b_q4_k *w = (const b_q4_k *)wrow;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_k));
-        __m256 fd, fm;
-        q4k_float_scales(&w[b], &fd, &fm);
-        __m256i q[8];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
-            q[c] = _mm256_and_si256(v, m4);
-            q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = &x[r][b];
-            __m256i p, t, u;
-            __asm__("vpmaddubsw 0(%[x]), %[q0], %[p]\n\t"
-                    "vpmaddubsw 128(%[x]), %[q4], %[t]\n\t"
-                    "vpmaddubsw 32(%[x]), %[q1], %[u]\n\t"
-                    "vpaddw %[u], %[p], %[p]\n\t"
-                    "vpmaddubsw 160(%[x]), %[q5], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpmaddubsw 64(%[x]), %[q2], %[u]\n\t"
-                    "vpaddw %[u], %[p], %[p]\n\t"
-                    "vpmaddubsw 192(%[x]), %[q6], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpmaddubsw 96(%[x]), %[q3], %[u]\n\t"
-                    "vpaddw %[u], %[p], %[p]\n\t"
-                    "vpmaddubsw 224(%[x]), %[q7], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpaddw %[t], %[p], %[p]\n\t"
-                    "vpmaddwd %[ones], %[p], %[p]\n\t"
-                    "vcvtdq2ps %[p], %[p]\n\t"
-                    "vmulps %[fd], %[p], %[p]\n\t"
-                    "vfnmadd231ps 256(%[x]), %[fm], %[p]\n\t"
-                    "vbroadcastss 320(%[x]), %[t]\n\t"
-                    "vfmadd213ps %[acc], %[t], %[p]\n\t"
-                    "vmovaps %[p], %[acc]"
-                    : [acc] "+m"(acc[r]), [p] "=&x"(p), [t] "=&x"(t), [u] "=&x"(u)
-                    : [x] "r"(xb), [q0] "x"(q[0]), [q1] "x"(q[1]), [q2] "x"(q[2]), [q3] "x"(q[3]), [q4] "x"(q[4]),
-                      [q5] "x"(q[5]), [q6] "x"(q[6]), [q7] "x"(q[7]), [ones] "x"(ones), [fd] "x"(fd), [fm] "x"(fm),
-                      "m"(*(const char(*)[sizeof(xq256)])xb));
-        }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
@@ -630,88 +435,17 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
-/* Q6_K for many activation rows (as rows_q4_k): the eight registers unpacked once per block, then one
- * fixed instruction sequence per row, dot_q6_k's integers (register pairs summed in int16, times the
- * scales by madd, the -32 offset through bsum) and its fp32 instructions (cvt, d * d_x, fmadd). Offsets:
- * bsum at 288, d at 320. */
-_Static_assert(__builtin_offsetof(xq256, bsum) == 288, "xq256 layout");
-static void rows_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
-    __m256 acc[RTILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const b_q6_k *w = (const b_q6_k *)wrow;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
-    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q6_k));
-        const float d = h2f(w[b].d);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
-        const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));
-        const __m256i s_last = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, odd));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        __m256i q[8];
-        for (int g = 0; g < 2; g++) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(w[b].qh + 32 * g));
-            for (int i = 0; i < 4; i++) {
-                const __m256i l = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * i));
-                q[4 * g + i] = _mm256_or_si256(g ? _mm256_and_si256(_mm256_srli_epi16(l, 4), m4) : _mm256_and_si256(l, m4), q6_top(h, i));
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = &x[r][b];
-            __m256i p, t, u;
-            __asm__("vpmaddubsw 0(%[x]), %[q0], %[p]\n\t"
-                    "vpmaddubsw 32(%[x]), %[q1], %[t]\n\t"
-                    "vpaddw %[t], %[p], %[p]\n\t"
-                    "vpmaddwd %[sf], %[p], %[p]\n\t"
-                    "vpmaddubsw 64(%[x]), %[q2], %[t]\n\t"
-                    "vpmaddubsw 96(%[x]), %[q3], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpmaddwd %[sf], %[t], %[t]\n\t"
-                    "vpaddd %[t], %[p], %[p]\n\t"
-                    "vpmaddubsw 128(%[x]), %[q4], %[t]\n\t"
-                    "vpmaddubsw 160(%[x]), %[q5], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpmaddwd %[sl], %[t], %[t]\n\t"
-                    "vpaddd %[t], %[p], %[p]\n\t"
-                    "vpmaddubsw 192(%[x]), %[q6], %[t]\n\t"
-                    "vpmaddubsw 224(%[x]), %[q7], %[u]\n\t"
-                    "vpaddw %[u], %[t], %[t]\n\t"
-                    "vpmaddwd %[sl], %[t], %[t]\n\t"
-                    "vpaddd %[t], %[p], %[p]\n\t"
-                    "vmovdqu 288(%[x]), %[t]\n\t"
-                    "vpmaddwd %[sc16], %[t], %[t]\n\t"
-                    "vpslld $5, %[t], %[t]\n\t"
-                    "vpsubd %[t], %[p], %[p]\n\t"
-                    "vcvtdq2ps %[p], %[p]\n\t"
-                    "vmulss 320(%[x]), %x[d], %x[t]\n\t"
-                    "vbroadcastss %x[t], %[t]\n\t"
-                    "vfmadd213ps %[acc], %[t], %[p]\n\t"
-                    "vmovaps %[p], %[acc]"
-                    : [acc] "+m"(acc[r]), [p] "=&x"(p), [t] "=&x"(t), [u] "=&x"(u)
-                    : [x] "r"(xb), [q0] "x"(q[0]), [q1] "x"(q[1]), [q2] "x"(q[2]), [q3] "x"(q[3]), [q4] "x"(q[4]),
-                      [q5] "x"(q[5]), [q6] "x"(q[6]), [q7] "x"(q[7]), [sf] "x"(s_first), [sl] "x"(s_last),
-                      [sc16] "m"(sc16), [d] "x"(d), "m"(*(const char(*)[sizeof(xq256)])xb));
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-
 #endif /* SF_VNNI */
 
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_PAIRED_RT(cols_q4_k, dot_q4_k, rows2_q4_k, xq256)
-#elif defined(SF_VNNI)
-DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
+DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
 #else
-DEFINE_COLUMNS_RT(cols_q4_k, dot_q4_k, rows_q4_k, xq256)
+DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
 #endif
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_PAIRED_RT(cols_q6_k, dot_q6_k, rows2_q6_k, xq256)
-#elif defined(SF_VNNI)
-DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
+DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
 #else
-DEFINE_COLUMNS_RT(cols_q6_k, dot_q6_k, rows_q6_k, xq256)
+DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
 #endif
 
 cols_fn sfq_kquant_columns(int type) {
