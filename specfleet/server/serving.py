@@ -8,6 +8,7 @@ it is complete, and streamed text cannot be taken back).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -147,10 +148,54 @@ def check_tool_parameters(tool_defs: list[Any], compiler: GrammarCompiler) -> No
         if schema is None:
             continue
         try:
+            broken = _broken_pattern(schema)
+            if broken is not None:
+                raise InvalidRequestError(f"pattern {broken[0]!r} is not a regular expression ({broken[1]})")
             compiler.grammar(StructuredOutputsParams(json=close_objects(schema), strict=False))
         except InvalidRequestError as e:
             raise APIError(400, f"tool {tool.function.name!r} has an invalid parameters schema: {e}",
                            param=f"tools.{i}.function.parameters") from None
+
+
+# re's errors for a pattern that is malformed in every regex dialect (ECMA's included), as opposed to syntax
+# that is only foreign to Python's re (\p{L}, ...): the lenient compile of tool parameters would drop such a
+# pattern as "not enforceable", but a schema holding it is broken, not merely unenforceable here
+_STRUCTURAL_REGEX_ERRORS = ("missing )", "unbalanced parenthesis", "unterminated character set", "nothing to repeat",
+                            "multiple repeat")
+
+
+def _broken_pattern(schema: Any, depth: int = 0) -> tuple[str, str] | None:
+    """The first `pattern` (or `patternProperties` key) of a JSON schema that is malformed as a regular
+    expression in any dialect, with re's reason; None when there is none."""
+    if depth > 64:
+        return None
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    for key, value in items:
+        found = None
+        if key == "pattern" and isinstance(value, str):
+            found = _structural_error(value)
+            found = (value, found) if found else None
+        elif key == "patternProperties" and isinstance(value, dict):
+            for p in value:
+                err = _structural_error(p) if isinstance(p, str) else None
+                if err:
+                    return p, err
+        if found:
+            return found
+        if isinstance(value, (dict, list)):
+            found = _broken_pattern(value, depth + 1)
+            if found:
+                return found
+    return None
+
+
+def _structural_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        if any(m in str(e) for m in _STRUCTURAL_REGEX_ERRORS):
+            return str(e)
+    return None
 
 
 class DeltaText:
