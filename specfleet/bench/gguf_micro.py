@@ -44,7 +44,7 @@ def measure(system, prompt_ids: list[list[int]], repeats: int = 3) -> dict:
     if isinstance(system, SpecfleetSystem) and system.llm.engine.proposer is None:
         engine = system.llm.engine
         for n in PREFILL_LENGTHS:
-            s = _best(lambda n=n: _forward(engine, _tokens(prompt_ids, n), 0, n), repeats)
+            s = _best(lambda n=n: _prefill(engine, _tokens(prompt_ids, n)), repeats)
             out[f"prefill_{n}_tok_s"] = round(n / s, 2)
         one, c = verify_costs(engine, prompt_ids, repeats)
         for k, ck in zip(VERIFY_KS, c):
@@ -102,19 +102,11 @@ def _best(run, repeats: int) -> float:
     return times[0] if len(times) < 3 else statistics.median(times[:3])
 
 
-def _forward(engine, ids: list[int], context: int, new: int) -> float:
-    """Seconds of the timed forward of the last `new` of `ids` after `context` cached tokens (the
-    context itself is computed first, untimed); the KV blocks are freed after."""
-    from specfleet.runtime.model_runner import ForwardItem
-
+def _prefill(engine, ids: list[int]) -> float:
+    """Seconds of a prefill of `ids` from an empty cache (the last row's logits); the KV blocks are freed after."""
     rid = "__gguf_micro__"
-    engine.blocks.allocate(rid, context + new)
+    engine.blocks.allocate(rid, len(ids))
     try:
-        if context:
-            engine.runner.execute([ForwardItem(rid, ids[:context], 0, [context - 1])], engine.blocks)
-        t0 = time.perf_counter()
-        rows = list(range(new)) if context else [new - 1]  # verification needs every row's logits, prefill one
-        engine.runner.execute([ForwardItem(rid, ids[context:context + new], context, rows)], engine.blocks)
-        return time.perf_counter() - t0
+        return _run(engine, rid, ids, 0, False)
     finally:
         engine.blocks.free(rid)
