@@ -15,9 +15,9 @@ import time
 import torch
 
 from specfleet.bench.report import md_table, write_results
-from specfleet.runtime import native_backend
-from specfleet.runtime.attention import AttentionBatch, SeqAttention
-from specfleet.runtime.step_plan import KeyPlan, native_attend
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
+from specfleet.runtime.step.plan import KeyPlan, native_attend
 
 H, KVH, D, LAYERS = 12, 2, 128, 28
 

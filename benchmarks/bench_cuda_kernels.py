@@ -1,4 +1,4 @@
-"""The batch-invariant CUDA kernels (runtime/cuda_kernels.py) against cuBLAS / SDPA, at the shapes of the
+"""The batch-invariant CUDA kernels (runtime/backends/cuda/kernels.py) against cuBLAS / SDPA, at the shapes of the
 embedded 1.5B (d=1536, 12/2 heads of 128, MLP 8960, vocab 151,936), bf16: microseconds per call for the
 row counts of decode (1), verification (5, 17, 8x5) and prompt chunks (512), and whether each row equals
 the same row computed alone (the property the kernels exist for). Needs a CUDA GPU.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specfleet.runtime import cuda_kernels  # noqa: E402
+from specfleet.runtime.backends.cuda import kernels as cuda_kernels  # noqa: E402
 
 SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536),
           "head": (1536, 151936)}

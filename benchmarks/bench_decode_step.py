@@ -3,7 +3,7 @@ llama.cpp (llama-cpp-python) on the same file as the reference.
 
 Systems, measured in rounds that alternate between them (the machine may be shared, so only figures
 from the same rounds compare; medians over rounds are printed with ratios):
-- `fused`: this tree's native layer path (runtime/native_forward.py, csrc/q_fused.c);
+- `fused`: this tree's native layer path (runtime/backends/native/forward.py, csrc/q_fused.c);
 - `modules`: this tree with `RuntimeConfig(fused_native=False)` (the module-by-module forward);
 - `base`: another source tree (`--base-src DIR`, e.g. an earlier commit unpacked with
   `git archive <commit> | tar -x -C DIR`), run in a subprocess with DIR first on PYTHONPATH;
@@ -36,9 +36,9 @@ def specfleet_steps(model_name: str, context: int, steps: int, fused: bool | Non
     import torch
 
     from specfleet.llm import load_model
-    from specfleet.runtime import model as model_mod
-    from specfleet.runtime.attention import AttentionBatch, SeqAttention
-    from specfleet.runtime.kv_cache import KVCache
+    from specfleet.runtime.model import decoder as model_mod
+    from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.kv.cache import KVCache
 
     model = _cached_model(model_name, load_model)
     if fused is not None:
@@ -96,8 +96,8 @@ def _cached_model(name, load_model):
 
 def _instrument(timers: dict) -> None:
     """Time the native products (all of them, the head included), the attention and the rest."""
-    from specfleet.runtime import model as model_mod
-    from specfleet.runtime import qtensor
+    from specfleet.runtime.model import decoder as model_mod
+    from specfleet.runtime.formats import qtensor
 
     def wrap(mod, name, key):
         orig = getattr(mod, name, None)

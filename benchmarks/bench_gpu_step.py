@@ -10,7 +10,7 @@ model with the shape of Qwen2.5-Coder-1.5B or -0.5B (random bf16 weights) and me
 - `plain_tok_s`: plain greedy generation through the engine, 64 tokens, batch 1 and 8.
 
 Each backend runs in its own process: `graphs` (the invariant kernels with the step shapes that repeat
-replayed from captured CUDA graphs, runtime/cuda_graphs.py), `invariant` (runtime/cuda_kernels.py: the
+replayed from captured CUDA graphs, runtime/backends/cuda/graphs.py), `invariant` (runtime/backends/cuda/kernels.py: the
 batch-invariant Triton kernels that keep every verified row bit-identical to its decode step, launched
 eagerly) and `cublas` (SPECFLEET_CUDA_KERNELS=0: cuBLAS and SDPA, which are not row-invariant; a reference
 for what invariance costs).
@@ -46,8 +46,8 @@ KS = tuple(range(1, 9))
 def build(shape: str, device: str, dtype):
     import torch
 
-    from specfleet.runtime.model import DecoderLM
-    from specfleet.runtime.model_config import ModelConfig
+    from specfleet.runtime.model.decoder import DecoderLM
+    from specfleet.runtime.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 151936 if shape != "tiny" else 512,
                                     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
@@ -66,8 +66,8 @@ def child(shape: str, device: str, repeats: int) -> dict:
 
     from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
     from specfleet.engine.engine import Engine
-    from specfleet.runtime import cuda_kernels
-    from specfleet.runtime.model_runner import ForwardItem
+    from specfleet.runtime.backends.cuda import kernels as cuda_kernels
+    from specfleet.runtime.step.runner import ForwardItem
     from specfleet.sampling_params import SamplingParams
 
     dev = torch.device(device)

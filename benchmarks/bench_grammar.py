@@ -103,7 +103,7 @@ def validator():
 
 def is_valid(llm, schema: dict, out, spec, jsonschema) -> bool:
     """The output is valid JSON for the schema (the engine's closed-object reading of it)."""
-    from specfleet.runtime.grammar import close_objects
+    from specfleet.runtime.sample.structured import close_objects
 
     if jsonschema is not None:
         try:

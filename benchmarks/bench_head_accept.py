@@ -29,7 +29,7 @@ def main() -> None:
 
     from specfleet.bench.datasets import iter_prompts, select
     from specfleet.llm import LLM
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
     from specfleet.sampling_params import SamplingParams
 
     model, tok = load_model(args.target, torch.float32, torch.device("cpu"), quantization="auto")

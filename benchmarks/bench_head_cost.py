@@ -32,10 +32,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from specfleet.drafting.head import HeadCache, HeadDraftConfig, HeadProposer, init_from_target, load_head, target_embed
-    from specfleet.runtime.block_manager import BlockManager
-    from specfleet.runtime.kv_cache import KVCache
-    from specfleet.runtime.load import load_model
-    from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+    from specfleet.runtime.kv.blocks import BlockManager
+    from specfleet.runtime.kv.cache import KVCache
+    from specfleet.runtime.loading.load import load_model
+    from specfleet.runtime.step.runner import ForwardItem, ModelRunner
 
     model, _ = load_model(args.target, torch.float32, torch.device("cpu"), quantization="auto")
     n = args.context

@@ -3,9 +3,9 @@
 Speculative verification and batching are worth it only where k rows cost much less than k single
 rows. This measures, for the Qwen2.5-1.5B layer shapes, the time of one forward through all four
 linear layers of a decoder layer with 1..32 rows, in bf16, fp32 and the weight-only int8 kernel that
-`quantization="int8"` uses (runtime/quant.py), and prints the ratio to one row of the same kind and to
+`quantization="int8"` uses (runtime/formats/quant.py), and prints the ratio to one row of the same kind and to
 one row of torch's kernel for that dtype. bf16 runs three ways: torch's `F.linear` ("torch"), the
-project's CPU routes ("specfleet", runtime/cpu_linear.py: the native kernel up to `RuntimeConfig.native_rows` rows, then
+project's CPU routes ("specfleet", runtime/backends/cpu.py: the native kernel up to `RuntimeConfig.native_rows` rows, then
 the sliced fp32 upcast) and the routes without the native kernel ("sliced"); fp32 runs through torch and
 the project's W @ x^T route.
 
@@ -20,9 +20,9 @@ import time
 import torch
 
 from specfleet.bench.report import md_table, write_results
-from specfleet.runtime import model as model_mod
-from specfleet.runtime import native_backend
-from specfleet.runtime.quant import Int8Linear
+from specfleet.runtime.model import decoder as model_mod
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.formats.quant import Int8Linear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused)
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
@@ -88,7 +88,7 @@ def main() -> None:
                   f"{t / torch_one_row[family]:.2f}x torch's one row)", flush=True)
     body = ("One decoder layer's four linear layers (qkv, o, gate_up, down) at the Qwen2.5-1.5B shapes; "
             "best of repeats; int8 = weight-only per-channel int8 with bf16 activations (int8-fp32act: fp32 ones) "
-            f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/cpu_linear.py (fp32: W @ x^T from "
+            f"(`aten._weight_int8pack_mm`). torch = `F.linear`; specfleet = runtime/backends/cpu.py (fp32: W @ x^T from "
             f"2 rows; bf16: the native kernel up to {rt.native_rows} rows"
             f"{'' if native_backend.available() else ' (UNAVAILABLE here: ' + str(native_backend.unavailable_reason()) + ')'}"
             f", then the sliced fp32 upcast from {rt.upcast_rows} rows); sliced = specfleet without the native "

@@ -20,7 +20,7 @@ import torch
 from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.runtime.load import load_model
+from specfleet.runtime.loading.load import load_model
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 

@@ -37,8 +37,8 @@ def specfleet_child(model: str, repeats: int, depth: int = 0) -> dict:
 
     from specfleet.bench.gguf_micro import verify_costs
     from specfleet.llm import LLM
-    from specfleet.runtime import native_backend
-    from specfleet.runtime.model_runner import ForwardItem
+    from specfleet.runtime.backends.native import kernels as native_backend
+    from specfleet.runtime.step.runner import ForwardItem
 
     llm = LLM(model, draft="none", quantization="auto")
     engine = llm.engine
@@ -122,7 +122,7 @@ def main() -> None:
 
     from specfleet.bench.llamacpp import gguf_path
     from specfleet.bench.report import md_table, write_results
-    from specfleet.runtime import native_backend
+    from specfleet.runtime.backends.native import kernels as native_backend
 
     gguf = str(gguf_path(args.model))
     paths = args.isa or native_backend.runnable_isas()

@@ -24,8 +24,8 @@ from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
-from specfleet.runtime.load import load_model
-from specfleet.runtime.build import parse_device, parse_dtype
+from specfleet.runtime.loading.load import load_model
+from specfleet.runtime.loading.build import parse_device, parse_dtype
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.engine.result_pool import PipelineConfig

@@ -1,5 +1,5 @@
 """Prefill (time to first token) of the bf16 target with and without the sliced fp32 upcast of CPU
-batches (runtime/cpu_linear.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in one process.
+batches (runtime/backends/cpu.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in one process.
 
     .venv/bin/python benchmarks/bench_prefill.py            # about a minute on 2 CPU cores
 """
@@ -11,11 +11,11 @@ import time
 
 import torch
 
-import specfleet.runtime.model as model_mod
+import specfleet.runtime.model.decoder as model_mod
 from specfleet.bench.report import md_table, write_results
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.runtime.load import load_model
+from specfleet.runtime.loading.load import load_model
 from specfleet.sampling_params import SamplingParams
 
 

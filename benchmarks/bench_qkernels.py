@@ -1,4 +1,4 @@
-"""How the native GGUF block-format kernels (runtime/qtensor.py, csrc/q_*.c) scale with the number of rows.
+"""How the native GGUF block-format kernels (runtime/formats/qtensor.py, csrc/q_*.c) scale with the number of rows.
 
 For each format, one decoder layer's four linear layers at the Qwen2.5-Coder-1.5B shapes (qkv, o,
 gate_up, down; plus the 151936-row output head with --head) are kept in that format with random
@@ -6,7 +6,7 @@ valid blocks, and one forward through them is timed with 1..128 rows (tokens). P
 ratio to one row (what verifying k+1 drafted tokens costs in decode steps), GB/s of weights read at
 one row and GFLOP/s at the largest row count. For comparison the same shapes run as bf16 through
 torch's `F.linear` ("bf16 torch") and through the project's bf16 routes ("bf16 specfleet",
-runtime/cpu_linear.py: the native bf16 kernel for few rows). Systems alternate within every repeat
+runtime/backends/cpu.py: the native bf16 kernel for few rows). Systems alternate within every repeat
 and the best repeat counts, since the machine may be shared. On a shared machine run it with
 OMP_WAIT_POLICY=passive as well: with libgomp's default spinning, a waiting OpenMP thread takes the
 core the working one needs, and every 2-thread kernel here (torch's too) ran 3-10x slower.
@@ -36,9 +36,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from specfleet.bench.report import md_table, write_results
-from specfleet.runtime import model as model_mod
-from specfleet.runtime import native_backend, qtensor
-from specfleet.runtime.qtensor import QTensor, qlinear
+from specfleet.runtime.model import decoder as model_mod
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.formats import qtensor
+from specfleet.runtime.formats.qtensor import QTensor, qlinear
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 q heads + 2 kv heads of 128, MLP 8960 (gate and up fused); [N, K]
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
@@ -175,8 +176,8 @@ def main() -> None:
     else:
         what = (", ".join(f"{k} {n}x{kk}" for k, (n, kk) in shapes.items()) + " (N x K) with random weights in "
                 "each block format, against bf16 weights through torch's F.linear and through specfleet's bf16 "
-                "routes (runtime/cpu_linear.py)")
-    body = (f"One pass through the linear layers: {what}. Block formats run runtime/qtensor.py's native kernels "
+                "routes (runtime/backends/cpu.py)")
+    body = (f"One pass through the linear layers: {what}. Block formats run runtime/formats/qtensor.py's native kernels "
             "(int8 activations, integer dot products). Best of repeats, systems alternating; "
             f"kernel ISA path {args.isa or native_backend.isa()}; {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, {args.clock} clock; the machine's "
             f"1-minute load average {load[0]:.1f} before and {load[1]:.1f} after (other work shares the cores). "

@@ -133,8 +133,8 @@ def soundness(suite: Suite, draft: str) -> dict:
     from llguidance._tokenizer import TokenizerWrapper
 
     from specfleet.errors import InvalidRequestError
-    from specfleet.runtime.grammar import COMPACT_JSON
-    from specfleet.runtime.json_schema import plan
+    from specfleet.runtime.sample.structured import COMPACT_JSON
+    from specfleet.runtime.sample.json_schema import plan
 
     class Bytes:
         tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
@@ -266,7 +266,7 @@ def main() -> int:
     out_dir = RESULTS_DIR / f"schema-coverage-cpu-{meta['timestamp_utc']}"
     out_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer  # noqa: F401 - the chat template comes from specfleet's loader
-    from specfleet.runtime.loader import tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder
 
     gguf = gguf_path(args.model)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder(gguf)))

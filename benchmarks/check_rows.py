@@ -58,7 +58,7 @@ def load_prompts(tokenizer, datasets: list[str], num: int, max_prompt_tokens: in
 def make_engine(model, tokenizer, draft: str | None, cfg: dict, max_tokens: int, longest: int):
     from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
     from specfleet.engine.engine import Engine
-    from specfleet.runtime.kv_cache import bytes_per_token
+    from specfleet.runtime.kv.cache import bytes_per_token
     from specfleet.strategies.factory import SpecConfig, build_proposer
 
     per_request = bytes_per_token(model.config, torch.float32) * (longest + max_tokens + 64)  # a draft tree's room too
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specfleet.bench.report import md_table, write_results
     from specfleet.bench.rowcheck import RowReport, check_engine_run
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
     from specfleet.sampling_params import SamplingParams
 
     torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -33,7 +33,7 @@ def main() -> None:
     from specfleet.distill.head_data import load_shards
     from specfleet.distill.head_train import Windows, draft_vocabulary, evaluate, fit_fc_least_squares
     from specfleet.drafting.head import init_from_target, load_head
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
 
     data_dir = Path(args.data)
     model, _ = load_model(args.target, torch.float32, torch.device("cpu"), quantization="auto")

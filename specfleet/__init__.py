@@ -1,7 +1,7 @@
 """specfleet: speculative decoding with a fleet of draft models.
 
 `from specfleet import LLM, SamplingParams` is the offline API; the names load on first use, so
-importing a submodule (specfleet.core.tree, specfleet.runtime.model) does not load the engine.
+importing a submodule (specfleet.core.tree, specfleet.runtime.model.decoder) does not load the engine.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = ["LLM", "RequestOutput", "RuntimeConfig", "SamplingParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {"LLM": "specfleet.llm", "RequestOutput": "specfleet.outputs", "SamplingParams": "specfleet.sampling_params",
-            "RuntimeConfig": "specfleet.runtime.runtime_config"}
+            "RuntimeConfig": "specfleet.runtime.config"}
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # memory for the target's KV cache; drafts get their own budget
     # keep full blocks of computed tokens after their request ends and map them into later requests that
-    # start with the same tokens (runtime/block_manager.py): a chat's next turn prefills only what is new
+    # start with the same tokens (runtime/kv/blocks.py): a chat's next turn prefills only what is new
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:

@@ -21,15 +21,15 @@ from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError, ModelLoadError
 from specfleet.models.registry import lookup
 from specfleet.outputs import RequestOutput
-from specfleet.runtime.build import parse_device, parse_dtype
-from specfleet.runtime.load import load_model
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.quant import parse_quantization, quantize_model, resolve_quantization
-from specfleet.runtime.runtime_config import RuntimeConfig
-from specfleet.runtime.tokenizer import per_thread
+from specfleet.runtime.loading.build import parse_device, parse_dtype
+from specfleet.runtime.loading.load import load_model
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.formats.quant import parse_quantization, quantize_model, resolve_quantization
+from specfleet.runtime.config import RuntimeConfig
+from specfleet.runtime.loading.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.grammar_draft import GrammarDraftProposer
-from specfleet.runtime.grammar import compiler_for
+from specfleet.runtime.sample.structured import compiler_for
 from specfleet.strategies.factory import SpecConfig, build_proposer
 from specfleet.strategies.grammar_front import grammar_front
 
@@ -75,7 +75,7 @@ class LLM:
         - "gguf": keep the GGUF file's block formats (Q4_K, Q6_K, ...), native kernels, fp32 activations
           (`dtype` is unused for such a model: its activations and dense tensors are fp32);
         - "none": dense weights in `dtype` (a GGUF file is dequantized once into a cache);
-        - "int8": weight-only per-channel int8 (runtime/quant.py);
+        - "int8": weight-only per-channel int8 (runtime/formats/quant.py);
         - "q4_0" / "q8_0" / "q4_k": every matrix requantized into that GGUF format at load.
         `max_num_batched_tokens` is the per-step token budget: running requests' decode/verify rows
         first, then chunks of at most `max_num_prefills` waiting prompts share what is left (chunked
@@ -86,7 +86,7 @@ class LLM:
         tokens (a chat's next turn, an agent's system prompt), for the target and every draft model.
         `grammar_draft` puts the grammar draft in front of the drafts for requests with
         `structured_outputs` (strategies/grammar_front.py; `draft=None` turns speculation off altogether,
-        the grammar draft included). `runtime` sets how the target computes (runtime/runtime_config.py:
+        the grammar draft included). `runtime` sets how the target computes (runtime/config.py:
         the linear layers' routes, the fused native forward, the CUDA invariant kernels; default: the
         environment's and this machine's best); it never changes what is computed."""
         self.dtype = parse_dtype(dtype)
@@ -111,7 +111,7 @@ class LLM:
             self.model, self.tokenizer = load_model(model, self.dtype, self.device, quantization=self.quantization)
         if runtime is not None:
             self.model.set_runtime(runtime)
-        # the server encodes on its tokenizer thread while the engine thread decodes (runtime/tokenizer.py)
+        # the server encodes on its tokenizer thread while the engine thread decodes (runtime/loading/tokenizer.py)
         self.tokenizer = per_thread(self.tokenizer)
         self.model_name = model
         self.draft_name = draft

@@ -8,7 +8,7 @@ alternatives (at most MAX_LOGPROBS).
 `structured_outputs` constrains the output to a JSON schema, any JSON object, a regular expression, one
 of a list of strings, or a grammar (vLLM's `StructuredOutputsParams`, same field names). The target's
 logits are masked by the grammar before temperature, top-k and top-p, at every row speculation verifies,
-so speculative output is exactly constrained decoding's (runtime/grammar.py).
+so speculative output is exactly constrained decoding's (runtime/sample/structured.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class StructuredOutputsParams:
     choice              the output is one of these strings
     grammar             a context-free grammar: llguidance's Lark syntax, or GBNF (llama.cpp's; told
                         apart by its `::=`), converted to Lark
-    strict              JSON schemas (runtime/json_schema.py): unknown keywords and formats are
+    strict              JSON schemas (runtime/sample/json_schema.py): unknown keywords and formats are
                         annotations either way; True or None (the default) refuses a schema keyword the
                         grammar engine cannot enforce where ignoring it could return JSON the schema
                         rejects; False generates under the enforceable rest of the schema and lists what

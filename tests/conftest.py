@@ -43,7 +43,7 @@ def optional_model_path(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
-    from specfleet.runtime.loader import load_checkpoint
+    from specfleet.runtime.loading.checkpoint import load_checkpoint
 
     path = real_model_path("smollm2-135m-instruct")
     return load_checkpoint(path, torch.float32)

@@ -1,5 +1,5 @@
 """The CUDA route of the runtime, run on CPU tensors: `route_cuda_on_cpu(monkeypatch)` makes
-runtime/cuda_kernels.py say it applies to CPU tensors and replaces its three kernels with stand-ins that
+runtime/backends/cuda/kernels.py say it applies to CPU tensors and replaces its three kernels with stand-ins that
 compute what the Triton kernels compute, row by row (so a row's result never depends on the others of its
 call, as on a GPU). Each stand-in is one registered operator, so a TorchDispatchMode counts a kernel launch
 as one operation, as a GPU would see it. Everything else is the code a CUDA model runs: the runner's key
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specfleet.runtime import cuda_kernels
+from specfleet.runtime.backends.cuda import kernels as cuda_kernels
 
 
 @torch.library.custom_op("specfleet_test::linear", mutates_args=())

@@ -6,7 +6,7 @@ import torch
 
 from tiny_models import tree_mask
 
-from specfleet.runtime.attention import SeqAttention, _attend
+from specfleet.runtime.model.attention import SeqAttention, _attend
 
 
 def decode_alone(q_row, k, v, upto: torch.Tensor, kvh: int, scale: float) -> torch.Tensor:

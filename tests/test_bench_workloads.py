@@ -141,7 +141,7 @@ def test_real_tool_loops_are_call_result_next_call():
 def test_tool_loop_renders_tools_calls_and_results_in_the_chat_template():
     from transformers import AutoTokenizer
 
-    from specfleet.runtime.loader import tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder
     from conftest import real_model_path
 
     require_dataset("tool-loop")

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from specfleet.runtime.block_manager import BlockManager, OutOfBlocks
+from specfleet.runtime.kv.blocks import BlockManager, OutOfBlocks
 
 
 def held(bm: BlockManager) -> int:

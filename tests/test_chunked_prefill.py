@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import specfleet.runtime.attention as attention
-from specfleet.runtime.block_manager import BlockManager
+import specfleet.runtime.model.attention as attention
+from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.engine.scheduler import fair_shares

@@ -1,11 +1,11 @@
-"""The CPU linear routes (runtime/cpu_linear.py): same products as F.linear, only reordered sums."""
+"""The CPU linear routes (runtime/backends/cpu.py): same products as F.linear, only reordered sums."""
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specfleet.runtime.cpu_linear import cpu_linear, sliced_upcast_linear, weight_left_linear
+from specfleet.runtime.backends.cpu import cpu_linear, sliced_upcast_linear, weight_left_linear
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 16, 33])
@@ -54,7 +54,7 @@ def test_routing_by_dtype_and_rows():
 
 def test_model_linear_takes_the_routes():
     """Turning the routes off changes nothing but rounding."""
-    from specfleet.runtime.model import Linear
+    from specfleet.runtime.model.decoder import Linear
 
     torch.manual_seed(3)
     lin = Linear(32, 16)

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import specfleet.engine.executor as engine_module
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.weights import load_weights
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.loading.weights import load_weights
+from specfleet.runtime.model.config import ModelConfig
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer, load_tokenizer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer

@@ -161,7 +161,7 @@ def real_model():
     path = os.environ.get("SPECFLEET_CUDA_MODEL")
     if not path:
         pytest.skip("SPECFLEET_CUDA_MODEL names no GGUF file")
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
 
     return load_model(path, torch.bfloat16, CUDA, quantization="auto")
 
@@ -189,6 +189,6 @@ def test_real_model_rows_equal_their_decode_steps_on_cuda(real_model, draft):
 @pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-chain", 8)])
 def test_step_graphs_replay_the_eager_steps_bits_on_cuda(pair, kind, batch):
     """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification replay captured CUDA graphs
-    (runtime/cuda_graphs.py); the tokens are the eager steps' and every verified row equals its decode step."""
+    (runtime/backends/cuda/graphs.py); the tokens are the eager steps' and every verified row equals its decode step."""
     eng, prompts = graphs_against_eager(*pair, kind, batch)
     assert eng.runner.graphs.replays > len(prompts) and all(s.graph is not None for s in eng.runner.graphs._shapes.values())

@@ -75,7 +75,7 @@ def test_tree_verification_on_the_cuda_route_is_lossless_row_by_row(routed, pair
 
 @pytest.mark.parametrize("kind", ["draft-tree", "lookup-tree"])
 def test_the_cuda_route_makes_every_tensor_on_the_models_device(routed, pair, kind, monkeypatch):
-    from specfleet.runtime import cuda_kernels
+    from specfleet.runtime.backends.cuda import kernels as cuda_kernels
 
     target, draft = pair
     prompts = repetitive_prompts(LENGTHS[3])
@@ -102,7 +102,7 @@ def test_the_cuda_route_makes_every_tensor_on_the_models_device(routed, pair, ki
 @pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-tree", 3)])
 def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, batch):
     """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification steps go through
-    runtime/cuda_graphs.py's padded static buffers (captured on a GPU; run eagerly here, which checks the
+    runtime/backends/cuda/graphs.py's padded static buffers (captured on a GPU; run eagerly here, which checks the
     padding, the static plan and the row layout): the same tokens as the eager route, every verified row
     equal to its decode step, and the padded path really taken."""
     eng, prompts = graphs_against_eager(*pair, kind, batch, device=CPU)

@@ -1,4 +1,4 @@
-"""The fused decode path of native GGUF models (csrc/q_fused.c, runtime/native_forward.py):
+"""The fused decode path of native GGUF models (csrc/q_fused.c, runtime/backends/native/forward.py):
 each native call against a float64 reference, at every tail, and row for row the same whatever the
 number of rows in the call; the whole model against its module-by-module forward; and speculation
 still lossless through it (verification rows attend in C exactly as their decode steps do)."""
@@ -11,17 +11,19 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from specfleet.runtime import native_backend, qtensor
+from specfleet.runtime.backends.native import kernels as native_backend
+
+from specfleet.runtime.formats import qtensor
 
 pytestmark = pytest.mark.skipif(not native_backend.available(), reason=f"native kernels: {native_backend.unavailable_reason()}")
 
-from specfleet.runtime import model as model_mod  # noqa: E402
-from specfleet.runtime.attention import AttentionBatch, SeqAttention, _attend  # noqa: E402
-from specfleet.runtime.step_plan import KeyPlan, native_attend  # noqa: E402
-from specfleet.runtime.native_forward import native_lib  # noqa: E402
-from specfleet.runtime.qlinear import QLinear  # noqa: E402
-from specfleet.runtime.native_backend import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL  # noqa: E402
-from specfleet.runtime.qtensor import quantize_activations  # noqa: E402
+from specfleet.runtime.model import decoder as model_mod  # noqa: E402
+from specfleet.runtime.model.attention import AttentionBatch, SeqAttention, _attend  # noqa: E402
+from specfleet.runtime.step.plan import KeyPlan, native_attend  # noqa: E402
+from specfleet.runtime.backends.native.forward import native_lib  # noqa: E402
+from specfleet.runtime.formats.qlinear import QLinear  # noqa: E402
+from specfleet.runtime.backends.native.kernels import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL  # noqa: E402
+from specfleet.runtime.formats.qtensor import quantize_activations  # noqa: E402
 from test_qkernels import dense64, random_blocks  # noqa: E402
 from tiny_models import tree_mask  # noqa: E402
 
@@ -225,7 +227,7 @@ def native_draft():
 def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(native_tiny):
     from test_spec_greedy import make_engine
 
-    from specfleet.runtime.model_runner import ForwardItem
+    from specfleet.runtime.step.runner import ForwardItem
 
     engine = make_engine(native_tiny)
     ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]

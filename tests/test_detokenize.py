@@ -22,7 +22,7 @@ def tok():
     from transformers import AutoTokenizer
 
     from conftest import real_model_path
-    from specfleet.runtime.loader import tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder
 
     return AutoTokenizer.from_pretrained(tokenizer_folder(real_model_path("smollm2-135m")))
 

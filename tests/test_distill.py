@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specfleet.distill.cli import add_distill_parser
-from specfleet.runtime.weights import load_weights
+from specfleet.runtime.loading.weights import load_weights
 from specfleet.distill.data import (Example, append_continuations, generate_continuations, read_continuations,
                                     select_vocab, to_sequences)
 from specfleet.distill.evaluate import agreement, greedy_labels
@@ -18,10 +18,10 @@ from specfleet.distill.student import causal_forward
 from specfleet.distill.train import read_checkpoint
 from specfleet.errors import SpecfleetError
 from specfleet.llm import LLM
-from specfleet.runtime.build import build_model
-from specfleet.runtime.loader import load_checkpoint
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.loading.build import build_model
+from specfleet.runtime.loading.checkpoint import load_checkpoint
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.model.config import ModelConfig
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from test_spec_greedy import make_engine

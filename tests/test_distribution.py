@@ -24,7 +24,7 @@ import torch
 import specfleet.engine.executor as engine_module
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.runtime.sampling import target_probs
+from specfleet.runtime.sample.sampling import target_probs
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer

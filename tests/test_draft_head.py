@@ -22,7 +22,8 @@ from specfleet.distill.head_data import extract, load_shards, stdlib_files
 from specfleet.distill.head_train import TrainConfig, evaluate, train
 from specfleet.drafting.head import HeadDraftConfig, HeadProposer, init_from_target, load_head, save_head
 from specfleet.engine.engine import Engine
-from specfleet.runtime import native_backend, qtensor
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.formats import qtensor
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
@@ -49,7 +50,7 @@ def smollm2():
     if not native_backend.available():
         pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
     from conftest import real_model_path
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
 
     model, tok = load_model(str(real_model_path("smollm2-135m-instruct")), torch.float32, torch.device("cpu"),
                             quantization="auto")
@@ -104,7 +105,7 @@ def test_trained_head_beats_the_unigram_baseline(smollm2, trained):
 
 
 def _engine(model, tok, draft, batch=4, budget=512, kv_tokens=None):
-    from specfleet.runtime.kv_cache import bytes_per_token
+    from specfleet.runtime.kv.cache import bytes_per_token
 
     proposer = build_proposer(draft, SpecConfig(), model.config.vocab_size, torch.float32, torch.device("cpu"),
                               quantization="auto", target_tokenizer=tok, target_model=model)

@@ -25,17 +25,17 @@ import torch
 import torch.nn.functional as F
 from tokenizers import processors
 
-import specfleet.runtime.attention as attention
-from specfleet.runtime import native_backend
+import specfleet.runtime.model.attention as attention
+from specfleet.runtime.backends.native import kernels as native_backend
 from conftest import optional_model_path
 from specfleet.errors import UnsupportedModelError
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.build import build_model
-from specfleet.runtime.kv_cache import KVCache
-from specfleet.runtime.loader import load_checkpoint
-from specfleet.runtime.model_config import FULL, SLIDING, ModelConfig
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.native_forward import native_lib
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.loading.build import build_model
+from specfleet.runtime.kv.cache import KVCache
+from specfleet.runtime.loading.checkpoint import load_checkpoint
+from specfleet.runtime.model.config import FULL, SLIDING, ModelConfig
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
+from specfleet.runtime.backends.native.forward import native_lib
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.cross_vocab import CrossVocabProposer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
@@ -413,17 +413,17 @@ def test_gguf_layer_pattern(tmp_path, tmp_cache, pattern, expected):
     model = tiny_vocab_gemma(num_hidden_layers=7, layer_types=types)
     path = tmp_path / "pattern.gguf"
     write_gemma_gguf(path, model, pattern=pattern)
-    from specfleet.runtime.gguf_loader import config_from_metadata, open_gguf
+    from specfleet.runtime.loading.gguf import config_from_metadata, open_gguf
 
     assert config_from_metadata(open_gguf(path), path).layer_types == expected
 
 
 def test_gguf_in_block_formats_runs_natively(tmp_path, tmp_cache):
-    from specfleet.runtime import qtensor
+    from specfleet.runtime.formats import qtensor
 
     if not native_backend.available():
         pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
-    from specfleet.runtime.qlinear import QEmbedding, QLinear
+    from specfleet.runtime.formats.qlinear import QEmbedding, QLinear
 
     model = tiny_vocab_gemma()
     path = tmp_path / "tiny-gemma-q.gguf"
@@ -513,7 +513,7 @@ def test_speculative_greedy_equals_plain_with_gemma_target_and_draft(ours, kind,
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_speculative_greedy_equals_plain_on_native_gemma_weights(hf, kind):
-    from specfleet.runtime import qtensor
+    from specfleet.runtime.formats import qtensor
 
     if not native_backend.available():
         pytest.skip(f"native kernels: {native_backend.unavailable_reason()}")
@@ -581,7 +581,7 @@ def gemma_path():
 
 @pytest.fixture(scope="module")
 def gemma_native(gemma_path):
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
 
     return load_model(str(gemma_path), torch.float32, torch.device("cpu"), quantization="auto")
 

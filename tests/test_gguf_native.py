@@ -16,9 +16,9 @@ import torch
 
 from specfleet.errors import InvalidRequestError, UnsupportedModelError
 from specfleet.llm import LLM, load_model
-from specfleet.runtime.build import build_model
-from specfleet.runtime.loader import load_checkpoint
-from specfleet.runtime.quant import resolve_quantization
+from specfleet.runtime.loading.build import build_model
+from specfleet.runtime.loading.checkpoint import load_checkpoint
+from specfleet.runtime.formats.quant import resolve_quantization
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.proposer import leaves
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
@@ -28,9 +28,9 @@ from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
 from test_strategies_engine import assert_all_free
 from tiny_models import run_to_completion, tiny_hf_model
 
-qtensor = pytest.importorskip("specfleet.runtime.qtensor", reason="the native GGUF kernels' module (runtime/qtensor.py)")
-from specfleet.runtime import native_backend  # noqa: E402
-from specfleet.runtime.qlinear import QEmbedding, QLinear  # noqa: E402
+qtensor = pytest.importorskip("specfleet.runtime.formats.qtensor", reason="the native GGUF kernels' module (runtime/formats/qtensor.py)")
+from specfleet.runtime.backends.native import kernels as native_backend  # noqa: E402
+from specfleet.runtime.formats.qlinear import QEmbedding, QLinear  # noqa: E402
 from tiny_quant_models import quantized_model, quantized_weights, write_quantized_gguf  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -184,7 +184,7 @@ def test_a_cpu_the_kernels_do_not_cover_runs_dense_and_says_why(tiny_gguf, monke
     dequantized weights say; nothing raises."""
     import platform
 
-    from specfleet.runtime import native
+    from specfleet.runtime.backends.native import build as native
 
     arch, path = tiny_gguf
     monkeypatch.setattr(native, "_cpu_flags", frozenset(flags))
@@ -202,8 +202,8 @@ def test_a_cpu_the_kernels_do_not_cover_runs_dense_and_says_why(tiny_gguf, monke
 
 
 def _prompt_logits(model) -> torch.Tensor:
-    from specfleet.runtime.attention import AttentionBatch, SeqAttention
-    from specfleet.runtime.kv_cache import KVCache
+    from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.kv.cache import KVCache
 
     kv = KVCache.allocate(model.config, 2, 16, torch.float32, torch.device("cpu"))
     ids = torch.tensor([3, 1, 4, 1, 5, 9])
@@ -234,7 +234,7 @@ def test_requantized_checkpoint_folder(tmp_path):
 def test_smollm2_native_logits_match_its_dequantized_fp32_model(smollm2_checkpoint):
     from conftest import real_model_path
 
-    from specfleet.runtime.model_runner import ForwardItem
+    from specfleet.runtime.step.runner import ForwardItem
 
     ckpt = load_checkpoint(real_model_path("smollm2-135m-instruct"), quantization="gguf")
     assert isinstance(ckpt.weights["model.embed_tokens.weight"], qtensor.QTensor)  # Q8_0, tied head

@@ -1,4 +1,4 @@
-"""Structured output in the engine (runtime/grammar.py, drafting/grammar_draft.py, strategies/grammar_front.py).
+"""Structured output in the engine (runtime/sample/structured.py, drafting/grammar_draft.py, strategies/grammar_front.py).
 
 - Greedy constrained decoding with speculation equals plain constrained decoding token for token on
   SmolLM2-135M (JSON schemas, a regex, a choice, a forced tool call's grammar), with the grammar draft in
@@ -24,7 +24,7 @@ from specfleet.core.tree import DraftTree
 from specfleet.core.verify import verify_greedy
 from specfleet.drafting.grammar_draft import GrammarDraftProposer
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.grammar import close_objects
+from specfleet.runtime.sample.structured import close_objects
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 from specfleet.server.tools import forced_call_grammar, parse_tool_calls
 from specfleet.strategies.grammar_front import GrammarFront

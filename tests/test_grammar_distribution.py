@@ -21,9 +21,9 @@ import torch
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.drafting.grammar_draft import GrammarDraftProposer
 from specfleet.engine.engine import Engine
-from specfleet.runtime import grammar as grammar_module
-from specfleet.runtime.grammar import GrammarCompiler
-from specfleet.runtime.sampling import target_probs
+from specfleet.runtime.sample import structured as grammar_module
+from specfleet.runtime.sample.structured import GrammarCompiler
+from specfleet.runtime.sample.sampling import target_probs
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 from specfleet.strategies.grammar_front import GrammarFront
 from test_distribution import ALPHA, MAX_TOKENS, PARAMS, VOCAB, make_proposer, one_thread, p_values, setup  # noqa: F401

@@ -1,4 +1,4 @@
-"""The block-format kernels' ISA paths (runtime/native_backend.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI).
+"""The block-format kernels' ISA paths (runtime/backends/native/kernels.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI).
 
 Contract: every path the CPU can run computes bit for bit what the AVX2 path computes, for every format,
 every row count (each row-tile tail) and through the fused entry point with its input transforms. So the
@@ -10,9 +10,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specfleet.runtime import native, native_backend, qtensor
-from specfleet.runtime.native_backend import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL
-from specfleet.runtime.qtensor import fused_parts, run_fused, run_qlinear
+from specfleet.runtime.backends.native import build as native
+
+from specfleet.runtime.backends.native import kernels as native_backend
+
+from specfleet.runtime.formats import qtensor
+from specfleet.runtime.backends.native.kernels import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL
+from specfleet.runtime.formats.qtensor import fused_parts, run_fused, run_qlinear
 from test_qkernels import FORMATS, block_of, random_blocks
 
 FAST_PATHS = [p for p in native_backend.ISA_PATHS if p != "avx2"]
@@ -91,8 +95,8 @@ def test_attention_gives_the_avx2_bits(path, heads, kv_heads, d):
     """Attention (scores, softmax, the weighted sum of values) in wider registers: every length around the 8- and
     16-key chunks, an odd number of query heads per KV head, head sizes that are and are not multiples of 64,
     rows over a prefix and a tree row over gathered keys."""
-    from specfleet.runtime.attention import AttentionBatch, SeqAttention
-    from specfleet.runtime.step_plan import native_attend
+    from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.step.plan import native_attend
 
     fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
     g = torch.Generator().manual_seed(heads * d)

@@ -1,4 +1,4 @@
-"""JSON schemas for structured output (runtime/json_schema.py): unknown keywords and formats are
+"""JSON schemas for structured output (runtime/sample/json_schema.py): unknown keywords and formats are
 annotations; assertions llguidance lacks are rewritten to an exact grammar, narrowed to a subset of the
 valid values, or refused with a 400 naming them (strict=false: generated without them, and said so).
 
@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.grammar import COMPACT_JSON
-from specfleet.runtime.json_schema import UnenforceableSchemaError, plan
+from specfleet.runtime.sample.structured import COMPACT_JSON
+from specfleet.runtime.sample.json_schema import UnenforceableSchemaError, plan
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 
 llguidance = pytest.importorskip("llguidance")
@@ -200,7 +200,7 @@ def test_unknown_format_and_keyword_generate_valid_json(smollm2):
 def test_every_keyword_and_format_is_in_the_compatibility_table():
     from pathlib import Path
 
-    from specfleet.runtime import json_schema
+    from specfleet.runtime.sample import json_schema
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "compatibility.md").read_text(encoding="utf-8")
     table = text[text.index("\n### JSON Schema keywords\n"):]

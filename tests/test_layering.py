@@ -24,8 +24,8 @@ def test_no_import_cycles_and_imports_only_go_down():
 
 def test_the_check_catches_an_upward_import():
     tool = _tool()
-    graph = {"specfleet.runtime.model_runner": {"specfleet.engine.scheduler"},
+    graph = {"specfleet.runtime.step.runner": {"specfleet.engine.scheduler"},
              "specfleet.engine.scheduler": set()}
     assert tool.layer_violations(graph) == [
-        "specfleet.runtime.model_runner -> specfleet.engine.scheduler: specfleet.runtime may not import specfleet.engine"]
+        "specfleet.runtime.step.runner -> specfleet.engine.scheduler: specfleet.runtime may not import specfleet.engine"]
     assert tool.strongly_connected({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]

@@ -115,8 +115,8 @@ def test_a_runtime_config_reaches_every_module_and_changes_only_rounding():
     norms (no module-level switch); outputs stay those of the default routes on a tiny fp32 model."""
     import dataclasses
 
-    from specfleet.runtime.model import Linear, RMSNorm
-    from specfleet.runtime.runtime_config import RuntimeConfig
+    from specfleet.runtime.model.decoder import Linear, RMSNorm
+    from specfleet.runtime.config import RuntimeConfig
 
     prompts = random_prompts([5, 7])
     default = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), dtype="float32", kv_cache_bytes=1 << 20, block_size=4)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from specfleet.errors import ModelLoadError, UnsupportedModelError
-from specfleet.runtime import gguf_loader
-from specfleet.runtime.loader import load_checkpoint
+from specfleet.runtime.loading import gguf as gguf_loader
+from specfleet.runtime.loading.checkpoint import load_checkpoint
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
@@ -458,7 +458,7 @@ def test_non_finite_weights_are_refused(tmp_path):
     data[start:start + 2] = np.array([np.inf], dtype=np.float16).tobytes()
     bad = tmp_path / "infscale.gguf"
     bad.write_bytes(bytes(data))
-    from specfleet.runtime.gguf_loader import read_gguf_native
+    from specfleet.runtime.loading.gguf import read_gguf_native
 
     with pytest.raises(ModelLoadError, match=r"infscale\.gguf.*'blk\.1\.ffn_down\.weight'.*scales"):
         read_gguf_native(bad)
@@ -472,7 +472,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
     write_gguf(path, model, "llama")
     with pytest.raises(ModelLoadError, match=rf"short\.gguf.*{len(tokens)} tokens.*{len(tokens) - 3} rows"):
         load_checkpoint(path)
-    from specfleet.runtime.load import check_tokenizer_fits
+    from specfleet.runtime.loading.load import check_tokenizer_fits
 
     class Tok:
         def __len__(self):

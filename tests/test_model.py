@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.kv_cache import KVCache
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.kv.cache import KVCache
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
 from tiny_models import ours_from_hf, tiny_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]

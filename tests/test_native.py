@@ -1,4 +1,4 @@
-"""The native bf16 kernel (runtime/csrc/bf16_linear.c via runtime/native.py): exact fp32 sums of the
+"""The native bf16 kernel (runtime/backends/native/csrc/bf16_linear.c via runtime/backends/native/build.py): exact fp32 sums of the
 bf16 products, batch-invariant rows, routing, fallbacks when it cannot be built."""
 import shutil
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfleet.runtime import native, native_backend
-from specfleet.runtime.cpu_linear import cpu_linear
+from specfleet.runtime.backends.native import build as native
+
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.backends.cpu import cpu_linear
 
 
 needs_native = pytest.mark.skipif(native.missing_prerequisite() is not None,
@@ -59,7 +61,7 @@ def test_cpu_linear_routes_bf16_rows_to_the_kernel_up_to_native_rows():
     assert routed.dtype == torch.bfloat16 and routed.shape == (2, 3, 40)
     assert torch.equal(routed, native_backend.bf16_linear(x.reshape(6, 24), w).bfloat16().view(2, 3, 40))
     # above native_rows, or with it 0, the earlier routes (here the sliced upcast, from 4 rows)
-    from specfleet.runtime.cpu_linear import sliced_upcast_linear
+    from specfleet.runtime.backends.cpu import sliced_upcast_linear
     above = cpu_linear(x, w, None, upcast_rows=4, weight_left=True, native_rows=5)
     assert torch.equal(above, sliced_upcast_linear(x.reshape(6, 24), w, None).bfloat16().view(2, 3, 40))
     # a non-contiguous weight never reaches the kernel

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (runtime/block_manager.py): full blocks of computed tokens outlive their request
+"""Automatic prefix caching (runtime/kv/blocks.py): full blocks of computed tokens outlive their request
 and are mapped into later requests that start with the same tokens. Checked: the block bookkeeping under
 random operations against a model of the cache's contents (a mapped block always holds the tokens it is
 mapped for, and no write ever reaches a registered block), and end to end on the native tiny model that
@@ -12,9 +12,10 @@ import torch
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.engine.engine import Engine
-from specfleet.runtime import native_backend, qtensor
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.kv_cache import bytes_per_token
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.formats import qtensor
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.kv.cache import bytes_per_token
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 from tiny_models import random_prompts, tiny_hf_model

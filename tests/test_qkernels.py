@@ -1,4 +1,4 @@
-"""GGUF block-format weights (runtime/qtensor.py) and their native kernels (runtime/csrc/q_*.c).
+"""GGUF block-format weights (runtime/formats/qtensor.py) and their native kernels (runtime/backends/native/csrc/q_*.c).
 
 Two contracts: every product matches a float64 reference built from gguf-py's own dequantization,
 and a row's result does not depend on how many rows share the call nor on the thread count (batch
@@ -11,8 +11,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from specfleet.runtime import native_backend, qtensor
-from specfleet.runtime.qtensor import QTensor, qlinear, quantize, quantize_activations
+from specfleet.runtime.backends.native import kernels as native_backend
+
+from specfleet.runtime.formats import qtensor
+from specfleet.runtime.formats.qtensor import QTensor, qlinear, quantize, quantize_activations
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 

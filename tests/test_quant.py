@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from specfleet.errors import InvalidRequestError
 from specfleet.llm import LLM
-from specfleet.runtime.quant import Int8Linear, quantize_model, quantize_rows
+from specfleet.runtime.formats.quant import Int8Linear, quantize_model, quantize_rows
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
@@ -105,10 +105,10 @@ def test_llm_quantization_option(qtarget):
 
 
 def test_bf16_cpu_upcast_path_computes_the_same_layer():
-    """Large bf16 CPU batches run the linear layers in fp32 (runtime/model.py): same weights, fp32
+    """Large bf16 CPU batches run the linear layers in fp32 (runtime/model/decoder.py): same weights, fp32
     accumulation; below the threshold the plain bf16 path runs. Both agree to bf16 rounding, and a
     bf16 model's greedy output is unchanged on a tiny model."""
-    import specfleet.runtime.model as model_mod
+    import specfleet.runtime.model.decoder as model_mod
 
     torch.manual_seed(0)
     lin = model_mod.Linear(64, 48, bias=True).to(torch.bfloat16)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from specfleet.config import CacheConfig, EngineConfig
-from specfleet.runtime.block_manager import BlockManager
+from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.engine.engine import Engine
-from specfleet.runtime.build import build_model
-from specfleet.runtime.kv_cache import KVCache
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner
+from specfleet.runtime.loading.build import build_model
+from specfleet.runtime.kv.cache import KVCache
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupProposer

@@ -11,8 +11,9 @@ import torch
 from specfleet.bench.rowcheck import RowChecker, RowReport, check_engine_run
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
-from specfleet.runtime.native_forward import native_lib
-from specfleet.runtime import native_backend, qtensor
+from specfleet.runtime.backends.native.forward import native_lib
+from specfleet.runtime.backends.native import kernels as native_backend
+from specfleet.runtime.formats import qtensor
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
 
@@ -27,7 +28,7 @@ DRAFTS = ["fleet(suffix,prompt-lookup)", "smollm2-135m-instruct@24[k=7,width=3,n
 @pytest.fixture(scope="module")
 def smollm2():
     from conftest import real_model_path
-    from specfleet.runtime.load import load_model
+    from specfleet.runtime.loading.load import load_model
 
     path = real_model_path("smollm2-135m-instruct")
     model, tok = load_model(str(path), torch.float32, torch.device("cpu"), quantization="auto")
@@ -36,7 +37,7 @@ def smollm2():
 
 
 def _kv(model):
-    from specfleet.runtime.kv_cache import KVCache
+    from specfleet.runtime.kv.cache import KVCache
 
     return KVCache.allocate(model.config, 1, 16, torch.float32, torch.device("cpu"))
 
@@ -62,7 +63,7 @@ def prompts(smollm2):
 
 def _engine(model, tok, draft, batch, budget=512, kv_tokens=None):
     """`kv_tokens`: a cache of about that many tokens (the engine keeps 64 of them for a draft tree)."""
-    from specfleet.runtime.kv_cache import bytes_per_token
+    from specfleet.runtime.kv.cache import bytes_per_token
 
     proposer = build_proposer(draft, SpecConfig(), model.config.vocab_size, torch.float32, torch.device("cpu"),
                               quantization="auto", target_tokenizer=tok)

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from specfleet import LLM, SamplingParams
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime import grammar as grammar_mod
-from specfleet.runtime.grammar import GRAMMAR_ENTRY_OVERHEAD, GrammarCompiler
+from specfleet.runtime.sample import structured as grammar_mod
+from specfleet.runtime.sample.structured import GRAMMAR_ENTRY_OVERHEAD, GrammarCompiler
 from specfleet.sampling_params import MAX_STOP_TOKEN_IDS, StructuredOutputsParams
 from specfleet.server import tools
 from specfleet.server.app import ServerConfig, create_app

@@ -104,7 +104,7 @@ def tokenizer_folder() -> str:
     """specfleet's cached copy of the GGUF file's tokenizer (tokenizer.json and its config): the local
     folder lm-eval loads with transformers.AutoTokenizer, never the hub."""
     from conftest import real_model_path
-    from specfleet.runtime.loader import tokenizer_folder as folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder as folder
 
     path = folder(real_model_path(MODEL))
     assert (path / "tokenizer.json").is_file()

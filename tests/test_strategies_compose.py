@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specfleet.llm
-import specfleet.runtime.load
+import specfleet.runtime.loading.load
 from specfleet.errors import InvalidRequestError
 from specfleet.core.proposer import describe
 from specfleet.strategies.grammar import parse
@@ -130,7 +130,7 @@ def test_each_model_loads_once_and_layer_cuts_share_weights(monkeypatch, drafts)
         calls.append(name)
         return drafts[name.split("@")[0]], None
 
-    monkeypatch.setattr(specfleet.runtime.load, "load_model", fake_load)
+    monkeypatch.setattr(specfleet.runtime.loading.load, "load_model", fake_load)
     p = build_proposer("vote(d1,d1@1,d2@1)", SpecConfig(draft_kv_cache_bytes=32 << 10), 97, torch.float32,
                        torch.device("cpu"))
     assert sorted(calls) == ["d1", "d2@1"]  # d1 whole once (d1@1 is cut from it); d2 only at depth 1

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specfleet.llm import LLM
-from specfleet.runtime.tokenizer import PerThreadTokenizer
+from specfleet.runtime.loading.tokenizer import PerThreadTokenizer
 from specfleet.sampling_params import SamplingParams
 from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
 
@@ -77,7 +77,7 @@ def test_real_tokenizer_copies_agree_across_threads():
     from transformers import AutoTokenizer
 
     from conftest import real_model_path
-    from specfleet.runtime.loader import tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(real_model_path("smollm2-135m")))
     shared = PerThreadTokenizer(tok)
@@ -107,7 +107,7 @@ def test_cross_vocabulary_codec_uses_the_calling_threads_copy():
 
     from conftest import real_model_path
     from specfleet.drafting.text_align import TextCodec
-    from specfleet.runtime.loader import tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(real_model_path("smollm2-135m")))
     codec = TextCodec(PerThreadTokenizer(tok))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.sampling import target_probs
+from specfleet.runtime.sample.sampling import target_probs
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.tree import DraftTree
 from specfleet.core.verify import VerifyResult, verify_greedy, verify_sampled

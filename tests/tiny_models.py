@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import transformers
 
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.weights import load_weights
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.loading.weights import load_weights
+from specfleet.runtime.model.config import ModelConfig
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)

@@ -1,4 +1,4 @@
-"""Tiny models whose matrices are kept in GGUF block formats (runtime/qtensor.py), shared by the tests:
+"""Tiny models whose matrices are kept in GGUF block formats (runtime/formats/qtensor.py), shared by the tests:
 built in memory from a random transformers model, or written to a small GGUF file the way llama.cpp
 writes one (q/k rows permuted for the `llama` arch), with mixed formats so that fused projections
 split into several products (q, k in one format, v in another)."""
@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import torch
 
-from specfleet.runtime.build import build_model
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_config import ModelConfig
-from specfleet.runtime.qtensor import quantize
+from specfleet.runtime.loading.build import build_model
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.model.config import ModelConfig
+from specfleet.runtime.formats.qtensor import quantize
 from test_loader import gguf_name, llamacpp_permute, write_tiny_shape, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType

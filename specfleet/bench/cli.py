@@ -111,7 +111,7 @@ def run_bench(args) -> int:
         return 0
     preset = build_preset(args)
     from specfleet.bench import plots, render, report, runner
-    from specfleet.runtime.build import parse_device
+    from specfleet.runtime.loading.build import parse_device
 
     device = parse_device(preset.runs[0].device).type
     dtypes = sorted({r.dtype for r in preset.runs})

@@ -89,7 +89,7 @@ def _run(engine, rid: str, ids: list[int], context: int, all_rows: bool) -> floa
     """Seconds of one forward of `ids` at positions context.. of request `rid` (its blocks allocated):
     every row's logits (verification) or the last row's (a prefill). Later forwards at the same context
     overwrite the same KV slots, so the cached context stays what it was."""
-    from specfleet.runtime.model_runner import ForwardItem
+    from specfleet.runtime.step.runner import ForwardItem
 
     rows = list(range(len(ids))) if all_rows else [len(ids) - 1]
     t0 = time.perf_counter()

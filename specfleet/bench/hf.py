@@ -24,7 +24,7 @@ PROMPT_LOOKUP_NAMES = {"prompt-lookup", "ngram", "lookup"}
 def hf_folder(name: str, dtype: torch.dtype) -> Path:
     """The HF-layout folder of a registered model or path (a GGUF file is converted once, cached)."""
     from specfleet.models.registry import resolve_model
-    from specfleet.runtime.loader import converted_folder
+    from specfleet.runtime.loading.checkpoint import converted_folder
 
     path = resolve_model(name)
     return path if path.is_dir() else converted_folder(path, dtype)

@@ -34,7 +34,7 @@ class RunConfig:
     device: str = "cpu"
     spec_len: int = 4
     kv_cache_mb: int | None = None
-    quantization: str | None = None  # "int8": every specfleet system's target and drafts (runtime/quant.py)
+    quantization: str | None = None  # "int8": every specfleet system's target and drafts (runtime/formats/quant.py)
     baseline: str | None = None  # speed-ups are against this system; default: the first specfleet:none
     # > 1: run every system this many times over all prompts, alternating the order (A B C, C B A, ...),
     # and report all rounds together, so a machine that slows down or speeds up during the run (shared
@@ -159,7 +159,7 @@ def _gguf_checks(part: str, size: str, target: float, micro: bool = False) -> tu
 def _kernel_path() -> str | None:
     """The ISA path the native kernels take here (None where they cannot run)."""
     try:
-        from specfleet.runtime import native_backend
+        from specfleet.runtime.backends.native import kernels as native_backend
 
         return native_backend.isa()
     except (ImportError, ValueError):
@@ -290,7 +290,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             Check("HumanEval: specfleet spec vs transformers assisted", "humaneval", ("specfleet:qwen-0.5b", 1),
                   ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 1.0)),
            expected_duration="about 10 minutes on 2 CPU cores (15 without the native bf16 kernel)"),
-    Preset("int8", "opt-in weight-only int8 (runtime/quant.py) on the CPU: the 1.5B with and without the 0.5B "
+    Preset("int8", "opt-in weight-only int8 (runtime/formats/quant.py) on the CPU: the 1.5B with and without the 0.5B "
            "draft in bf16 and int8, beside transformers bf16; 4 HumanEval prompts, 32 new tokens, batch 1",
            (RunConfig(name="humaneval", num_prompts=4, max_tokens=32, batch_sizes=(1,),
                       systems=("specfleet:none", "hf", "hf-assisted:qwen-0.5b", "specfleet:none" + _Q8,

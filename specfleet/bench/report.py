@@ -48,15 +48,15 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_v
 def cpu_isa() -> list[str]:
     """The instruction-set flags that decide which kernels run (from /proc/cpuinfo): every figure names them,
     since this project's machines differ (AVX2-only Zen 3, AVX512-VNNI Zen 4) and users' CPUs more."""
-    from specfleet.runtime.native import cpu_flags
+    from specfleet.runtime.backends.native.build import cpu_flags
 
     have = cpu_flags()
     return [f for f in ISA_FLAGS if f in have]
 
 
 def kernel_isa() -> str:
-    """The ISA path of the GGUF block-format kernels in this process (runtime/qtensor.py), or why none runs."""
-    from specfleet.runtime import native_backend
+    """The ISA path of the GGUF block-format kernels in this process (runtime/formats/qtensor.py), or why none runs."""
+    from specfleet.runtime.backends.native import kernels as native_backend
 
     try:
         return native_backend.isa() or f"none ({native_backend.unavailable_reason()})"

@@ -23,7 +23,7 @@ def weight_bytes_per_step(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, nn.Embedding) and id(m.weight) not in heads and not is_tied_by_hand:
             total -= m.weight.numel() * m.weight.element_size()
-    # weights kept in GGUF block formats (runtime/qlinear.py) are no parameters; the embedding is a lookup
+    # weights kept in GGUF block formats (runtime/formats/qlinear.py) are no parameters; the embedding is a lookup
     total += sum(m.weight_nbytes for m in model.modules() if hasattr(m, "weight_nbytes") and
                  not hasattr(m, "weight_q"))
     return total

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specfleet.runtime.attention import ROWWISE_ROWS
-from specfleet.runtime.kv_cache import KVCache
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.native_forward import native_lib
+from specfleet.runtime.model.attention import ROWWISE_ROWS
+from specfleet.runtime.kv.cache import KVCache
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
+from specfleet.runtime.backends.native.forward import native_lib
 
 
 @dataclass

@@ -26,7 +26,7 @@ from specfleet.bench.presets import Preset, RunConfig
 from specfleet.bench.roofline import measure_bandwidth, weight_bytes_per_step
 from specfleet.bench.systems import Settings, SpecfleetSystem, SystemSpec, parse_system
 from specfleet.errors import SpecfleetError
-from specfleet.runtime.build import parse_device, parse_dtype
+from specfleet.runtime.loading.build import parse_device, parse_dtype
 from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB
 
 

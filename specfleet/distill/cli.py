@@ -26,7 +26,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
                    help="model whose greedy outputs (and KL) train the draft (default: the target); a cheaper model "
                         "of the same tokenizer buys more data per CPU hour, and the evaluation still uses --target")
     p.add_argument("--teacher-quantization", default="none", choices=["none", "int8"],
-                   help="int8: the teacher runs with weight-only int8 linear layers (runtime/quant.py), several "
+                   help="int8: the teacher runs with weight-only int8 linear layers (runtime/formats/quant.py), several "
                         "times faster for batched generation on CPUs without bf16 units; its greedy outputs are "
                         "then the quantized model's, nearly always the target's")
     p.add_argument("--resume", action="store_true", help="continue the training checkpoint in --out")

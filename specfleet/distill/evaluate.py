@@ -20,7 +20,7 @@ from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.distill.data import Sequence, collate, make_batches
 from specfleet.distill.student import causal_forward
 from specfleet.engine.engine import Engine
-from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 

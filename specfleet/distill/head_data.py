@@ -115,9 +115,9 @@ class Extractor:
     chunk: int = 128
 
     def __post_init__(self):
-        from specfleet.runtime.block_manager import BlockManager
-        from specfleet.runtime.kv_cache import KVCache
-        from specfleet.runtime.model_runner import ModelRunner
+        from specfleet.runtime.kv.blocks import BlockManager
+        from specfleet.runtime.kv.cache import KVCache
+        from specfleet.runtime.step.runner import ModelRunner
 
         block = 16
         nblocks = (self.window + block - 1) // block + 1
@@ -128,7 +128,7 @@ class Extractor:
         self.runner.keep_hidden = True
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        from specfleet.runtime.model_runner import ForwardItem
+        from specfleet.runtime.step.runner import ForwardItem
 
         rid = "extract"
         ids = ids[:self.window]

@@ -20,8 +20,8 @@ import torch
 
 from specfleet.distill.student import Student, StudentSpec
 from specfleet.errors import SpecfleetError
-from specfleet.runtime.weights import load_weights
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.loading.weights import load_weights
+from specfleet.runtime.model.config import ModelConfig
 
 INIT_STD = 0.02
 

@@ -22,8 +22,8 @@ from specfleet.distill.sources import load_config, load_model, load_source, load
 from specfleet.distill.teacher import TopKCache, teacher_topk
 from specfleet.distill.train import TrainConfig, Trainer, read_checkpoint
 from specfleet.errors import ModelLoadError, SpecfleetError
-from specfleet.runtime.build import parse_device, parse_dtype
-from specfleet.runtime.quant import quantize_model
+from specfleet.runtime.loading.build import parse_device, parse_dtype
+from specfleet.runtime.formats.quant import quantize_model
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATASETS = ("humaneval", "chitchat")

@@ -13,10 +13,10 @@ import torch
 
 from specfleet.core.model_ref import ModelRef
 from specfleet.models.registry import resolve_model
-from specfleet.runtime.load import build_from_checkpoint
-from specfleet.runtime.loader import Checkpoint, converted_folder, load_checkpoint
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.loading.load import build_from_checkpoint
+from specfleet.runtime.loading.checkpoint import Checkpoint, converted_folder, load_checkpoint
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.model.config import ModelConfig
 
 
 def split_depth(name: str) -> tuple[str, int | None]:

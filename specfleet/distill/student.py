@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_config import ModelConfig
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     from specfleet.models.registry import resolve_model
-    from specfleet.runtime.loader import is_gguf_file, tokenizer_folder
+    from specfleet.runtime.loading.checkpoint import is_gguf_file, tokenizer_folder
 
     path = resolve_model(ModelRef.parse(name).name)
     folder = tokenizer_folder(path) if is_gguf_file(path) else path

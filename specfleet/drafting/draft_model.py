@@ -29,14 +29,14 @@ import numpy as np
 import torch
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
-from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.kv.cache import KVCache, num_blocks_for_budget
+from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
 from specfleet.core.verify import draw
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner
-from specfleet.runtime.sampling import GeneratorStore, target_probs
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
+from specfleet.runtime.sample.sampling import GeneratorStore, target_probs
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DraftModelConfig:
     # (the target verifies every token); rarer tokens are simply never proposed. None = full vocabulary.
     head_vocab: int | None = None
     # map a request's longest cached prefix into the draft cache, as the target's cache does
-    # (runtime/block_manager.py): a chat's next turn catches the draft up on only what is new
+    # (runtime/kv/blocks.py): a chat's next turn catches the draft up on only what is new
     prefix_caching: bool = True
     # a chain stops early once the draft's own probability of its next token falls below p_min (its
     # first token is always drafted): a token the draft itself doubts is likely rejected, and drafting it

@@ -20,7 +20,7 @@ from typing import Callable
 from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.grammar import GrammarCompiler, Matcher
+from specfleet.runtime.sample.structured import GrammarCompiler, Matcher
 
 GRAMMAR_ORIGIN = "grammar"
 

@@ -40,7 +40,7 @@ from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
 from specfleet.core.verify import draw
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.sampling import GeneratorStore, target_probs
+from specfleet.runtime.sample.sampling import GeneratorStore, target_probs
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -297,7 +297,7 @@ def load_head(path: Path, expect_sha: str | None = None) -> tuple[FeatureHead, d
 
 
 def find_head(target) -> Path | None:
-    """The cached head of a loaded target (its `source_path`, set by runtime/load.py), if one exists."""
+    """The cached head of a loaded target (its `source_path`, set by runtime/loading/load.py), if one exists."""
     src = getattr(target, "source_path", None)
     if src is None:
         return None
@@ -308,8 +308,8 @@ def find_head(target) -> Path | None:
 # -- target helpers (init and embeddings) ----------------------------------------------------------
 def dense_linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a runtime linear layer as dense fp32, whatever its format."""
-    from specfleet.runtime.qlinear import QLinear
-    from specfleet.runtime.qtensor import QTensor
+    from specfleet.runtime.formats.qlinear import QLinear
+    from specfleet.runtime.formats.qtensor import QTensor
 
     if isinstance(module, QLinear):
         ws = [w.dequantize() if isinstance(w, QTensor) else w.float() for w, _ in module.parts]
@@ -322,7 +322,7 @@ def dense_linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the target's output head, dense fp32."""
-    from specfleet.runtime.qtensor import QTensor
+    from specfleet.runtime.formats.qtensor import QTensor
 
     if target.head_q is not None:
         w = target.head_q.parts[0][0] if len(target.head_q.parts) == 1 else dense_linear(target.head_q)[0]
@@ -365,8 +365,9 @@ class _QHead:
 
     @staticmethod
     def quantize(head: FeatureHead) -> FeatureHead:
-        from specfleet.runtime import native_backend, qtensor
-        from specfleet.runtime.qlinear import QLinear
+        from specfleet.runtime.backends.native import kernels as native_backend
+        from specfleet.runtime.formats import qtensor
+        from specfleet.runtime.formats.qlinear import QLinear
 
         if not native_backend.available():
             return head

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.extras import require
-from specfleet.runtime.build import parse_device, parse_dtype
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_config import ModelConfig
-from specfleet.runtime.quant import quantize_model
+from specfleet.runtime.loading.build import parse_device, parse_dtype
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.model.config import ModelConfig
+from specfleet.runtime.formats.quant import quantize_model
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.core.proposer import Feedback, RequestSnapshot, RequestView
@@ -40,7 +40,7 @@ class RemoteDraftSpec:
     device: str = "cpu"
     target_vocab_size: int | None = None
     num_threads: int | None = 1  # torch intra-op threads in the worker process
-    quantization: str | None = None  # "int8": weight-only int8 in the worker (runtime/quant.py)
+    quantization: str | None = None  # "int8": weight-only int8 in the worker (runtime/formats/quant.py)
     # instead of loading by name: a model sent over as its config and state dict (tiny test models)
     model_config: ModelConfig | None = None
     state_dict: dict[str, torch.Tensor] | None = None
@@ -77,7 +77,7 @@ class DraftWorker:
             model.init_rotary(device)  # rotary tables stay fp32, as build_model makes them
             model = model.eval().requires_grad_(False)
         else:
-            from specfleet.runtime.load import load_model
+            from specfleet.runtime.loading.load import load_model
 
             model, _ = load_model(spec.name, dtype, device, with_tokenizer=False)
         quantize_model(model, spec.quantization)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.model_runner import tree_item
-from specfleet.runtime.sampling import GeneratorStore, target_probs
+from specfleet.runtime.step.runner import tree_item
+from specfleet.runtime.sample.sampling import GeneratorStore, target_probs
 from specfleet.drafting.draft_model import DraftModelProposer
 from specfleet.drafting.ngram_model import NgramModel
 from specfleet.core.proposer import Feedback

@@ -44,7 +44,7 @@ class TextCodec:
     @property
     def tokenizer(self):
         """The Rust tokenizer behind a fast one, looked up at each use: behind LLM's per-thread tokenizer
-        (runtime/tokenizer.py) that is the calling thread's copy, so drafter threads never share one."""
+        (runtime/loading/tokenizer.py) that is the calling thread's copy, so drafter threads never share one."""
         return getattr(self._source, "backend_tokenizer", self._source)
 
     def encode(self, text: str) -> list[int]:

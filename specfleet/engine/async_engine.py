@@ -45,8 +45,8 @@ from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob  # noqa: F401 -- OutputDelta: re-exported
 from specfleet.outputs import common_prefix_len as _common_prefix_len
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.grammar import Matcher
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.sample.structured import Matcher
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 
@@ -90,7 +90,7 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_engine_steps: int = 0
-    # the target's prefix cache (runtime/block_manager.py): its size and lookups since the start
+    # the target's prefix cache (runtime/kv/blocks.py): its size and lookups since the start
     num_cached_blocks: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0

@@ -21,12 +21,12 @@ from specfleet.engine.scheduler import Scheduler
 from specfleet.engine.stop import StopChecker
 from specfleet.errors import InvalidRequestError, SpecfleetError
 from specfleet.outputs import RequestOutput
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.grammar import GrammarCompiler, Matcher, compiler_for
-from specfleet.runtime.kv_cache import KVCache, num_blocks_for_budget
-from specfleet.runtime.model import DecoderLM
-from specfleet.runtime.model_runner import ModelRunner
-from specfleet.runtime.sampling import make_generator
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.sample.structured import GrammarCompiler, Matcher, compiler_for
+from specfleet.runtime.kv.cache import KVCache, num_blocks_for_budget
+from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.step.runner import ModelRunner
+from specfleet.runtime.sample.sampling import make_generator
 from specfleet.sampling_params import SamplingParams
 
 logger = logging.getLogger("specfleet.engine")
@@ -98,7 +98,7 @@ class Engine:
             self.grammar_compiler().grammar(params.structured_outputs)  # an invalid grammar is the request's error
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """The grammar engine for this model's tokenizer (runtime/grammar.py), built on first use."""
+        """The grammar engine for this model's tokenizer (runtime/sample/structured.py), built on first use."""
         if self.grammars is None:
             self.grammars = compiler_for(self.tokenizer, self.model.config.vocab_size,
                                          sorted(self.stop_checker.eos_token_ids))

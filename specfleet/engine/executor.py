@@ -24,9 +24,9 @@ from specfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specfleet.engine.step_costs import StepCostModel
 from specfleet.engine.stop import StopChecker
 from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob, common_prefix_len
-from specfleet.runtime.block_manager import BlockManager
-from specfleet.runtime.model_runner import ForwardItem, ModelRunner, tree_item
-from specfleet.runtime.sampling import target_probs
+from specfleet.runtime.kv.blocks import BlockManager
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner, tree_item
+from specfleet.runtime.sample.sampling import target_probs
 
 EMPTY_TREE = DraftTree()
 
@@ -143,7 +143,7 @@ class StepExecutor:
     @staticmethod
     def _verify(req: Request, tree: DraftTree, rows: torch.Tensor, argmax: list[int] | None) -> VerifyResult:
         """`argmax`: the rows' unmasked argmax, read for the whole step at once."""
-        if req.grammar is not None:  # each row masked by the grammar after its path (runtime/grammar.py)
+        if req.grammar is not None:  # each row masked by the grammar after its path (runtime/sample/structured.py)
             rows, argmax = req.grammar.mask_rows(tree, rows), None
         if req.params.is_greedy:
             return verify_greedy(tree, argmax if argmax is not None else rows.argmax(-1).tolist())

@@ -36,7 +36,7 @@ from specfleet.engine.request import Request, RequestStatus
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.errors import InvalidRequestError
 from specfleet.outputs import RequestOutput
-from specfleet.runtime.model import DecoderLM
+from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, PipelineFailed, PoolEntry, ResultPool,
                                      TargetClock, pipeline_stats, target_batch_size)
 from specfleet.core.proposer import Feedback, Proposer, StepTiming, observe_step

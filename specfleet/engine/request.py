@@ -22,7 +22,7 @@ from specfleet.outputs import TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
-from specfleet.runtime.grammar import Matcher
+from specfleet.runtime.sample.structured import Matcher
 from specfleet.core.features import FeatureLog
 
 

@@ -23,7 +23,7 @@ sets `row_cap` before each step; engine/step_costs.py), but each step still pref
 MIN_CHUNK tokens. Without anyone else a long prompt takes the whole budget, at full prefill speed.
 
 Prefix caching: a waiting request is admitted with the longest cached prefix of its tokens already
-computed (runtime/block_manager.py), so its chunks, its share of the budget and its admission check
+computed (runtime/kv/blocks.py), so its chunks, its share of the budget and its admission check
 count only the rest; after a preemption it looks again, and usually finds its own blocks. A request
 whose first block is the first block of a prompt still being prefilled (the n samples of one prompt,
 or clients sharing a system prompt that arrive together) waits until that prefill ends and then maps
@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from specfleet.runtime.block_manager import BlockManager
+from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.engine.request import Request, RequestStatus
 
 

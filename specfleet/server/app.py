@@ -62,7 +62,7 @@ class ServerConfig:
     stream_buffer: int = 64
     stream_stall_timeout_s: float = 30.0
     # a JSON schema keyword the grammar engine cannot enforce: "refuse" (400) or "relax" (generate under the
-    # rest of the schema, said in the response) where the request leaves `strict` unsaid (runtime/json_schema.py)
+    # rest of the schema, said in the response) where the request leaves `strict` unsaid (runtime/sample/json_schema.py)
     unenforceable_schema: str = "refuse"
     # tokenizer / template / grammar work runs on these threads, off the event loop and the engine thread
     tokenizer_workers: int = 2

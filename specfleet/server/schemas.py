@@ -175,7 +175,7 @@ class JsonSchemaFormat(_Strict):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
-    strict: bool | None = None  # false: generate under the enforceable part of the schema (runtime/json_schema.py)
+    strict: bool | None = None  # false: generate under the enforceable part of the schema (runtime/sample/json_schema.py)
 
     @classmethod
     def known_fields(cls) -> set[str]:

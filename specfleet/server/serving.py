@@ -18,7 +18,7 @@ from specfleet.engine.request import PromptError
 from specfleet.engine.request import check_prompt as engine_check_prompt
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.errors import InvalidRequestError
-from specfleet.runtime.grammar import GrammarCompiler, close_objects
+from specfleet.runtime.sample.structured import GrammarCompiler, close_objects
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 from specfleet.server import tools
 from specfleet.server.errors import APIError
@@ -124,7 +124,7 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
     InvalidRequestError, a 400): a forced tool call's grammar, or its structured-output field. Grammar
     work (the compiler's first use builds its view of the tokenizer, seconds): not for the event loop.
     `relax_schemas` (--unenforceable-schema relax): a JSON schema whose request leaves `strict` unsaid is
-    generated under its enforceable part instead of refused (runtime/json_schema.py)."""
+    generated under its enforceable part instead of refused (runtime/sample/json_schema.py)."""
     spec = req.structured_spec()
     if relax_schemas and spec is not None and spec.kind == "json" and spec.strict is None:
         spec = dataclasses.replace(spec, strict=False)
@@ -142,7 +142,7 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
 def check_tool_parameters(tool_defs: list[Any], compiler: GrammarCompiler) -> None:
     """Each tool's `parameters` JSON schema, compiled as a forced call would compile it (the same leniency),
     whatever tool_choice is: an invalid one is a 400 naming the tool, with "auto" as with "required".
-    Compiled grammars are cached (runtime/grammar.py), so a client's usual tools cost this once."""
+    Compiled grammars are cached (runtime/sample/structured.py), so a client's usual tools cost this once."""
     for i, tool in enumerate(tool_defs):
         schema = tool.function.parameters
         if schema is None:
@@ -363,7 +363,7 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceOu
 
 def _with_spec(body: dict[str, Any], choices: list[ChoiceOut]) -> dict[str, Any]:
     """One choice: its speculation statistics as `spec`; several: each choice carries its own. A JSON
-    schema not fully enforced: `structured_output` says what was not (runtime/json_schema.py)."""
+    schema not fully enforced: `structured_output` says what was not (runtime/sample/json_schema.py)."""
     if choices and "structured_output" in choices[0].out.metrics:
         body["structured_output"] = choices[0].out.metrics["structured_output"]
     if len(choices) == 1:

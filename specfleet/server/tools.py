@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from specfleet.runtime.grammar import COMPACT_JSON, close_objects, lark_string
+from specfleet.runtime.sample.structured import COMPACT_JSON, close_objects, lark_string
 from specfleet.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specfleet.core.model_ref import ModelRef
-from specfleet.runtime.grammar import compiler_for
+from specfleet.runtime.sample.structured import compiler_for
 from specfleet.errors import InvalidRequestError
 from specfleet.drafting import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
 from specfleet.core.proposer import leaves
@@ -116,8 +116,8 @@ class ModelCache:
 
     def __call__(self, name: str, quantization: str | None = None):
         """The model `name`; `quantization` (a draft's `[quant=...]`) overrides the engine-wide mode."""
-        from specfleet.runtime import load
-        from specfleet.runtime.quant import parse_quantization
+        from specfleet.runtime.loading import load
+        from specfleet.runtime.formats.quant import parse_quantization
 
         quant = self.quantization if quantization is None else parse_quantization(quantization)
         ref = ModelRef.parse(name)
@@ -196,7 +196,7 @@ class _Builder:
         spec = self.spec
         cfg = DraftModelConfig(spec.num_speculative_tokens, spec.top_children, spec.max_nodes,
                                spec.draft_kv_cache_bytes, prefix_caching=spec.prefix_caching)
-        # `quant` picks the draft's weight format (runtime/quant.py): it changes acceptance, never the output
+        # `quant` picks the draft's weight format (runtime/formats/quant.py): it changes acceptance, never the output
         options = {k: v for k, v in node.options.items() if k != "quant"}
         cfg = apply_options(cfg, options, f"draft model {node.name!r}", MODEL_ALIASES)
         quant = node.options.get("quant")

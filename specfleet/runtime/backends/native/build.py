@@ -1,0 +1,101 @@
+"""The build side of specfleet's native CPU code and the bf16-weight linear of csrc/bf16_linear.c.
+
+`compile_library` compiles C sources with the system C compiler into `<cache root>/native/` and loads
+them with ctypes: no torch headers, so a build takes seconds. OpenMP is linked by soname
+(`libgomp.so.1`), which resolves to the copy torch has already loaded, so both share one thread pool
+runtime. The library's name carries a hash of the sources, the headers and the build command, so an
+edited kernel is rebuilt; builds go to a temporary file renamed into place, so concurrent processes never
+load a half-written library. runtime/backends/native/kernels.py is the one loader of the kernels it builds.
+`cpu_flags` is the one reader of the CPU's flags.
+
+The kernels' wrappers (the bf16 linear of csrc/bf16_linear.c among them) live in runtime/backends/native/kernels.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_cpu_flags: frozenset[str] | None = None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (`avx2`, `avx512_vnni`, ...; ARM's `Features`
+    too), read once: the one place the kernels' builds and the benchmark reports learn the ISA."""
+    global _cpu_flags
+    if _cpu_flags is None:
+        try:
+            line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                         if ln.startswith(("flags", "Features"))), "")
+        except OSError:
+            line = ""
+        _cpu_flags = frozenset(line.split(":", 1)[1].split() if ":" in line else ())
+    return _cpu_flags
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def _build(out: Path, compiler: str, sources: list[Path], flags: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, *(str(s) for s in sources), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Build `source` (one C file, or several linked into one library) into `<cache root>/native/`
+    (named by a hash of the sources, the `headers` they include and the command, so an edited kernel is
+    rebuilt; in the temp directory if the cache is read-only) and load it. Raises with the reason where
+    it cannot (see `missing_prerequisite`)."""
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise RuntimeError(missing)
+    sources = [source] if isinstance(source, Path) else list(source)
+    compiler = _compiler()
+    from specfleet.models.registry import cache_root
+
+    digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
+    for path in [*sources, *headers]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    name = f"{sources[0].stem}-{digest.hexdigest()[:16]}.so"
+    path = cache_root() / "native" / name
+    if not path.exists():
+        try:
+            _build(path, compiler, sources, flags)
+        except OSError:  # the cache is not writable (a read-only home): build in the temp directory
+            path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
+            if not path.exists():
+                _build(path, compiler, sources, flags)
+    return ctypes.CDLL(str(path))
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def missing_prerequisite() -> str | None:
+    """Why the kernel cannot be built here, before trying (None: it should build)."""
+    if os.environ.get("SPECFLEET_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        return "turned off by SPECFLEET_NATIVE=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"built for x86-64 Linux only, this is {platform.system()} {platform.machine()}"
+    if not _cpu_has_avx2_fma():
+        return "this CPU lacks AVX2 or FMA"
+    if _compiler() is None:
+        return "no C compiler found (set CC, or install gcc)"
+    return None

@@ -1,0 +1,505 @@
+/* The 256-weight K formats for specfleet's block-format kernels (see q_common.h): one weight row
+ * against up to TILE int8 activation rows, and the activation quantizer for 256-value blocks.
+ *
+ * ggml's block layouts, as the GGUF file stores them ("fp16" is IEEE half):
+ *   Q4_K  256 weights, 144 B: fp16 d | fp16 dmin | u8 scales[12] | u8 qs[128]
+ *         eight sub-blocks of 32 with 6-bit scale sc[j] and min mn[j] packed in scales[12];
+ *         qs[32c + l] low nibble is q of weight 64c + l, high nibble of weight 64c + 32 + l;
+ *         w = d * sc[j] * q - dmin * mn[j]
+ *   Q6_K  256 weights, 210 B: u8 ql[128] | u8 qh[64] | i8 scales[16] | fp16 d
+ *         for each half h (128 weights; ql += 64h, qh += 32h), l in 0..31:
+ *           q(l)      = ql[l] & 15      | (qh[l] >> 0 & 3) << 4
+ *           q(l + 32) = ql[l + 32] & 15 | (qh[l] >> 2 & 3) << 4
+ *           q(l + 64) = ql[l] >> 4      | (qh[l] >> 4 & 3) << 4
+ *           q(l + 96) = ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4
+ *         w = d * scales[e / 16] * (q - 32) for weight e of the block
+ *
+ * The kernels read both with their quants re-ordered at load (runtime/formats/qtensor.py `pack_k`; scales, mins
+ * and d where they were, so a block keeps its size): the "interleaved" order. Weight e = 32u + 4t + b
+ * of a block (u, t in 0..7, b in 0..3) goes to byte 4u + b of 32-byte register t. The activation
+ * quants of a block are laid out the same way (sfq_quantize_row256). Then every int16 lane pair
+ * (dword u) of a maddubs over registers t holds weights of 32-wide sub-block u alone, whatever t is:
+ *   Q4_K/x  qs[32c + p]: low nibble register c, high nibble register c + 4 (c in 0..3, p in 0..31)
+ *   Q6_K/x  ql[32c + p]: low 4 bits of registers c (low nibble) and c + 4 (high nibble);
+ *           qh[32g + p]: bits 2i..2i+1 hold the top 2 bits of register 4g + i (g in 0..1, i in 0..3)
+ *
+ * The products: maddubs of the unsigned weight quants with the signed activation quants gives int16
+ * sums of two products. Because a lane belongs to the same sub-block in every register, those sums add
+ * up in int16 across registers before any scale is applied, and one madd per block (Q4_K: all eight
+ * registers, |sum| <= 8 * 2 * 15 * 127 = 30480) or per pair of registers (Q6_K: 63 * 127 * 2 * 2 =
+ * 32004) applies the sub-block scales, laid out per dword. ggml's order needs a madd per register.
+ * Q4_K's mins and Q6_K's -32 offset come off through the activation block's sums of 16 (bsum). Per
+ * block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator.
+ *
+ * With VNNI (q_common.h) vpdpbusd sums four u8 * i8 products straight into int32 lanes, so a block's
+ * registers add up per sub-block in int32 (dword u of every register is sub-block u; with 512-bit
+ * registers, two registers side by side, whose halves are added once per block) and the sub-block
+ * scales multiply those int32 totals (vpmulld). That is the same integer as the AVX2 path's madd of the
+ * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
+ * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
+ * int16 adds and 1 to 4 madds. */
+#include "q_common.h"
+
+void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
+#ifdef SF_VNNI512
+    /* The AVX2 path below in 512-bit registers, to the same bytes: the maximum is exact in any order, the
+     * scale, rounding and conversion go lane by lane, a saturating narrowing equals the two saturating packs
+     * (the quants lie in [-127, 127]), and the sums of 16 quants are exact integer sums. */
+    for (int64_t b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++)
+            amax = _mm512_max_ps(amax, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xb + 16 * i)), abs_mask)));
+        const float mx = _mm512_reduce_max_ps(amax);
+        const __m512 mul = _mm512_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+        out[b].d = mx / 127.0f;
+        int8_t nat[256]; /* the block's quants in element order */
+        for (int s = 0; s < 16; s++) {
+            const __m512i i32 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * s), mul),
+                                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(nat + 16 * s), _mm512_cvtsepi32_epi8(i32));
+            out[b].bsum[s] = (int16_t)_mm512_reduce_add_epi32(i32);
+        }
+        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
+        /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
+        const __m512i n01 = _mm512_loadu_si512(nat), n23 = _mm512_loadu_si512(nat + 64);
+        const __m512i n45 = _mm512_loadu_si512(nat + 128), n67 = _mm512_loadu_si512(nat + 192);
+        for (int t = 0; t < 8; t += 2) {
+            /* registers t and t + 1 side by side: lane l holds dword 8u + r, u = l % 8, r = t + (l >= 8); index
+             * 8 (u % 4) + r picks it from n01|n23 (u < 4) and, the same index, from n45|n67 (u >= 4) */
+            const __m512i idx = _mm512_setr_epi32(t, 8 + t, 16 + t, 24 + t, t, 8 + t, 16 + t, 24 + t,
+                                                  t + 1, 9 + t, 17 + t, 25 + t, t + 1, 9 + t, 17 + t, 25 + t);
+            const __m512i lo = _mm512_permutex2var_epi32(n01, idx, n23), hi = _mm512_permutex2var_epi32(n45, idx, n67);
+            _mm512_storeu_si512(out[b].q + 32 * t, _mm512_mask_blend_epi32(0xF0F0, lo, hi));
+        }
+    }
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float mx = _mm_cvtss_f32(m);
+        const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+        out[b].d = mx / 127.0f;
+        int8_t nat[256]; /* the block's quants in element order */
+        for (int g = 0; g < 8; g++) {
+            __m256i i32[4];
+            for (int i = 0; i < 4; i++)
+                i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * g + 8 * i), mul),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(nat + 32 * g), p8);
+        }
+        for (int s = 0; s < 16; s++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
+            out[b].bsum[s] = (int16_t)sum;
+        }
+        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
+        /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
+        for (int t = 0; t < 8; t++)
+            for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
+    }
+#endif
+}
+
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } b_q4_k;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } b_q6_k;
+
+/* The eight 6-bit scales (bytes 0..7 of the result) and mins (bytes 8..15) of a Q4_K block, from its
+ * 12 packed bytes taken as three little-endian words u0, u1, u2 (byte-wise, in one SSE register):
+ *   sc[0..3] = u0 & 63,  mn[0..3] = u1 & 63  (per byte)
+ *   sc[4..7] = (u2 & 15) | (u0 >> 6) << 4,  mn[4..7] = (u2 >> 4 & 15) | (u1 >> 6) << 4 */
+ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
+    /* bytes s[0..15] (the 12 packed bytes and 4 of the quants that follow them in the block, unused) */
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    /* dwords: a = (u0, u2, u1, u2) for the low bits, b = (-, u0, -, u1) for the top two bits of sc/mn[0..3] */
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(0x03)), 4);
+    const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3f));
+    const __m128i lo4 = _mm_or_si128(_mm_and_si128(a, m4), top);
+    const __m128i hi4 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), top);
+    return _mm_blend_epi32(_mm_blend_epi32(low6, lo4, 0x2), hi4, 0x8);
+}
+
+/* An empty asm that takes an accumulator in a register: the sums then run in the order written. Without
+ * it GCC re-associates the int16 sums into a tree whose many live partial sums spill to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+ALWAYS_INLINE __m256i loadx(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* A Q4_K block's sub-block scales and mins in fp32, once per weight block for every activation row:
+ * fd[u] = d * sc[u], fm[u] = dmin * mn[u] */
+ALWAYS_INLINE void q4k_float_scales(const b_q4_k *w, __m256 *fd, __m256 *fm) {
+    const __m128i sm = q4k_scales_mins(w->scales);
+    *fd = _mm256_mul_ps(_mm256_set1_ps(h2f(w->d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    *fm = _mm256_mul_ps(_mm256_set1_ps(h2f(w->dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+/* One Q4_K block of one activation row into its 8-lane accumulator, from the 8 sub-block totals of
+ * weight quant x activation quant (exact int32, whichever ISA summed them):
+ * acc += d_x * (tot * fd - fsum * fm), fsum[u] the sum of the activation quants of sub-block u. Every
+ * path ends a block with these instructions, so every path gives the same bits. */
+ALWAYS_INLINE __m256 q4k_block_acc(__m256i tot, __m256 fd, __m256 fm, const xq256 *xb, __m256 acc) {
+    const __m256 v = _mm256_fnmadd_ps(fm, _mm256_load_ps(xb->fsum), _mm256_mul_ps(_mm256_cvtepi32_ps(tot), fd));
+    return _mm256_fmadd_ps(_mm256_set1_ps(xb->d), v, acc);
+}
+
+/* the top two bits of Q6_K/x register 4g + i, from qh word h of group g, moved to bits 4..5 of each byte */
+ALWAYS_INLINE __m256i q6_top(__m256i h, int i) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (i) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
+}
+
+#ifdef SF_VNNI
+/* per block of a VNNI path: the sub-block totals of one activation row (lane u: sub-block u, 8 lanes),
+ * from the weight quants already unpacked into the registers the path uses */
+#ifdef SF_VNNI512
+typedef __m512i wreg;
+#define NREG 4 /* 512-bit registers per 256 weights: registers (0,1), (2,3), (4,5), (6,7) */
+ALWAYS_INLINE wreg wload(const void *p) { return _mm512_loadu_si512(p); }
+ALWAYS_INLINE wreg wand(wreg a, wreg b) { return _mm512_and_si512(a, b); }
+ALWAYS_INLINE wreg wor(wreg a, wreg b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE wreg wsrl4(wreg a) { return _mm512_srli_epi16(a, 4); }
+ALWAYS_INLINE wreg wset8(char c) { return _mm512_set1_epi8(c); }
+ALWAYS_INLINE wreg wzero(void) { return _mm512_setzero_si512(); }
+ALWAYS_INLINE wreg wdp(wreg acc, wreg u, wreg s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* lane u + lane u + 8: the two registers side by side belong to the same sub-blocks */
+ALWAYS_INLINE __m256i wfold(wreg v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+#else
+typedef __m256i wreg;
+#define NREG 8
+ALWAYS_INLINE wreg wload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS_INLINE wreg wand(wreg a, wreg b) { return _mm256_and_si256(a, b); }
+ALWAYS_INLINE wreg wor(wreg a, wreg b) { return _mm256_or_si256(a, b); }
+ALWAYS_INLINE wreg wsrl4(wreg a) { return _mm256_srli_epi16(a, 4); }
+ALWAYS_INLINE wreg wset8(char c) { return _mm256_set1_epi8(c); }
+ALWAYS_INLINE wreg wzero(void) { return _mm256_setzero_si256(); }
+ALWAYS_INLINE wreg wdp(wreg acc, wreg u, wreg s) { return dpbusd256(acc, u, s); }
+ALWAYS_INLINE __m256i wfold(wreg v) { return v; }
+#endif
+#define RW (256 / NREG) /* bytes of activation quants per register */
+
+/* Q4_K: registers in activation order (the quants of register j pair with x->q[RW * j ...]) */
+ALWAYS_INLINE void q4k_regs(const b_q4_k *w, wreg *q) {
+    const wreg m4 = wset8(0x0f);
+    for (int j = 0; j < NREG / 2; j++) { /* qs: low nibbles the first half of the registers, high the second */
+        const wreg v = wload(w->qs + RW * j);
+        q[j] = wand(v, m4);
+        q[j + NREG / 2] = wand(wsrl4(v), m4);
+    }
+}
+
+ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q4_k *w = (const b_q4_k *)wrow;
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q4_k));
+        __m256 fd, fm;
+        q4k_float_scales(&w[b], &fd, &fm);
+        wreg q[NREG];
+        q4k_regs(&w[b], q);
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            wreg s = wdp(wzero(), q[0], wload(xb->q));
+            for (int j = 1; j < NREG; j++) s = wdp(s, q[j], wload(xb->q + RW * j));
+            acc[r] = q4k_block_acc(wfold(s), fd, fm, xb, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+#ifdef SF_VNNI512
+/* Two weight rows at once for several activation rows (the columns loop's pairs): a 512-bit register
+ * holds register t of row n in its low half and of row n + 1 in its high half, and the activation's
+ * register t is loaded into both halves. So a vpdpbusd serves two weight rows, the sub-block totals need
+ * no folding, and each block's fp32 epilogue runs once for both rows; lane by lane it is the one-row
+ * epilogue (q4k_block_acc), so a row's bits do not depend on whether it was paired. */
+ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                             float *out0, float *out1) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q4_k));
+        stream_ahead(&w1[b], sizeof(b_q4_k));
+        __m256 fd0, fm0, fd1, fm1;
+        q4k_float_scales(&w0[b], &fd0, &fm0);
+        q4k_float_scales(&w1[b], &fd1, &fm1);
+        const __m512 fd = pair_f(fd0, fd1), fm = pair_f(fm0, fm1);
+        __m512i q[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qs + 32 * c)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qs + 32 * c)));
+            q[c] = _mm512_and_si512(v, m4);
+            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
+            for (int t = 1; t < 8; t++) s = _mm512_dpbusd_epi32(s, q[t], both_i(xb->q + 32 * t));
+            const __m512 v = _mm512_fnmadd_ps(fm, both_f(xb->fsum), _mm512_mul_ps(_mm512_cvtepi32_ps(s), fd));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb->d), v, acc[r]);
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
+#endif
+
+/* Q6_K: registers in activation order; the first half (x registers 0..3) holds the first 16 weights
+ * of every sub-block of 32 (Q6_K scale 2u), the second half the last 16 (scale 2u + 1) */
+ALWAYS_INLINE void q6k_regs(const b_q6_k *w, wreg *q) {
+    const wreg m4 = wset8(0x0f);
+#ifdef SF_VNNI512
+    const wreg m30 = wset8(0x30);
+    /* qh group g in both halves; the top bits of register 4g + i sit at bits 2i..2i+1: shifted to 4..5
+     * by 4, 2 (registers 4g, 4g + 1: left) and 0, 2 (4g + 2, 4g + 3: right), per 256-bit half */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    for (int g = 0; g < 2; g++) {
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w->qh + 32 * g)));
+        const __m512i l01 = wload(w->ql), l23 = wload(w->ql + 64);
+        const __m512i n01 = g ? wand(wsrl4(l01), m4) : wand(l01, m4), n23 = g ? wand(wsrl4(l23), m4) : wand(l23, m4);
+        q[2 * g] = wor(n01, wand(_mm512_sllv_epi16(h, left), m30));
+        q[2 * g + 1] = wor(n23, wand(_mm512_srlv_epi16(h, right), m30));
+    }
+#else
+    for (int g = 0; g < 2; g++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * g));
+        for (int i = 0; i < 4; i++) {
+            const __m256i l = wload(w->ql + 32 * i);
+            q[4 * g + i] = wor(g ? wand(wsrl4(l), m4) : wand(l, m4), q6_top(h, i));
+        }
+    }
+#endif
+}
+
+ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q6_k *w = (const b_q6_k *)wrow;
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q6_k));
+        const float d = h2f(w[b].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
+        const __m256i s_first = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, even));
+        const __m256i s_last = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, odd));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        wreg q[NREG];
+        q6k_regs(&w[b], q);
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            wreg f = wdp(wzero(), q[0], wload(xb->q)), l = wdp(wzero(), q[NREG / 2], wload(xb->q + 128));
+            for (int j = 1; j < NREG / 2; j++) {
+                f = wdp(f, q[j], wload(xb->q + RW * j));
+                l = wdp(l, q[NREG / 2 + j], wload(xb->q + 128 + RW * j));
+            }
+            const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(wfold(f), s_first), _mm256_mullo_epi32(wfold(l), s_last));
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsum));
+            const __m256i p = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+#ifdef SF_VNNI512
+/* Q6_K two weight rows at once (see dot2_q4_k); the epilogue is dot_q6_k's, lane by lane */
+ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
+                             float *out0, float *out1) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q6_k));
+        stream_ahead(&w1[b], sizeof(b_q6_k));
+        const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
+        const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
+        const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
+        const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+        const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
+        __m512i q[8], l[4];
+        for (int i = 0; i < 4; i++)
+            l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i)),
+                          _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i)));
+        for (int g = 0; g < 2; g++) { /* q6_top's shifts, on both rows at once */
+            const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g)),
+                                     _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g)));
+            const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
+                                    _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
+            for (int i = 0; i < 4; i++)
+                q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i f = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
+            __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], both_i(xb->q + 128));
+            for (int t = 1; t < 4; t++) {
+                f = _mm512_dpbusd_epi32(f, q[t], both_i(xb->q + 32 * t));
+                l = _mm512_dpbusd_epi32(l, q[4 + t], both_i(xb->q + 128 + 32 * t));
+            }
+            const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(f, s_first), _mm512_mullo_epi32(l, s_last));
+            const __m512i off = _mm512_madd_epi16(sc16, both_i(xb->bsum));
+            const __m512i p = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    pair_out(acc, R, out0, out1);
+}
+#endif
+#else /* AVX2 */
+ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q4_k *w = (const b_q4_k *)wrow;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q4_k));
+        __m256 fd, fm;
+        q4k_float_scales(&w[b], &fd, &fm);
+        __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r][b].q;
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, loadx(xq + 32 * c)),
+                                                   _mm256_maddubs_epi16(hi, loadx(xq + 128 + 32 * c)));
+                p[r] = c ? _mm256_add_epi16(p[r], t) : t;
+                KEEP(p[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) /* the int16 pairs of each dword summed: the sub-block totals */
+            acc[r] = q4k_block_acc(_mm256_madd_epi16(p[r], _mm256_set1_epi16(1)), fd, fm, &x[r][b], acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const b_q6_k *w = (const b_q6_k *)wrow;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    /* registers 0..3 hold the first 16 weights of each sub-block of 32 (Q6_K scale 2u), 4..7 the last 16 */
+    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w[b], sizeof(b_q6_k));
+        const float d = h2f(w[b].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
+        const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));
+        const __m256i s_last = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, odd));
+        __m256i isum[TILE];
+        for (int k = 0; k < 4; k++) { /* register pairs (2k, 2k + 1) */
+            const int hi = k >= 2, c = 2 * (k & 1);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w[b].qh + 32 * hi));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * c));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 32 * (c + 1)));
+            const __m256i n0 = hi ? _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4) : _mm256_and_si256(l0, m4);
+            const __m256i n1 = hi ? _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4) : _mm256_and_si256(l1, m4);
+            const __m256i q0 = _mm256_or_si256(n0, q6_top(h, c)), q1 = _mm256_or_si256(n1, q6_top(h, c + 1));
+            const __m256i s = hi ? s_last : s_first;
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r][b].q + 64 * k;
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(q0, loadx(xq)), _mm256_maddubs_epi16(q1, loadx(xq + 32)));
+                const __m256i v = _mm256_madd_epi16(t, s);
+                isum[r] = k ? _mm256_add_epi32(isum[r], v) : v;
+                KEEP(isum[r]);
+            }
+        }
+        /* the -32 offset: 32 * sum over sub-blocks of scale * (sum of the sub-block's activation quants) */
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsum));
+            const __m256i p = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+#endif /* SF_VNNI */
+
+#ifdef SF_VNNI512
+DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
+#else
+DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
+#endif
+#ifdef SF_VNNI512
+DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
+#else
+DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
+#endif
+
+cols_fn sfq_kquant_columns(int type) {
+    switch (type) {
+    case T_Q4_K: return cols_q4_k;
+    case T_Q6_K: return cols_q6_k;
+    default: return 0;
+    }
+}
+
+/* The kernels' order from ggml's (see the top of this file) for nblocks blocks of Q4_K (type 12) or
+ * Q6_K (14), src -> dst (not overlapping); runtime/formats/qtensor.py `pack_k` is the same in numpy. Returns 0,
+ * or -1 for another type. */
+int specfleet_k_pack(int type, const uint8_t *src, uint8_t *dst, int64_t nblocks, int num_threads) {
+    if (type != T_Q4_K && type != T_Q6_K) return -1;
+    const int64_t size = type == T_Q4_K ? 144 : 210;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (nblocks >= 4096)
+    for (int64_t i = 0; i < nblocks; i++) {
+        const uint8_t *s = src + i * size;
+        uint8_t *o = dst + i * size;
+        uint8_t q[256], v[8][32]; /* quants in element order; the registers */
+        memcpy(o, s, (size_t)size);
+        if (type == T_Q4_K) {
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    q[64 * c + l] = s[16 + 32 * c + l] & 15;
+                    q[64 * c + 32 + l] = s[16 + 32 * c + l] >> 4;
+                }
+        } else {
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *ql = s + 64 * h, hb = s[128 + 32 * h + l];
+                    q[128 * h + l] = (ql[l] & 15) | (hb & 3) << 4;
+                    q[128 * h + 32 + l] = (ql[l + 32] & 15) | (hb >> 2 & 3) << 4;
+                    q[128 * h + 64 + l] = (ql[l] >> 4) | (hb >> 4 & 3) << 4;
+                    q[128 * h + 96 + l] = (ql[l + 32] >> 4) | (hb >> 6 & 3) << 4;
+                }
+        }
+        for (int t = 0; t < 8; t++)
+            for (int u = 0; u < 8; u++)
+                for (int b = 0; b < 4; b++) v[t][4 * u + b] = q[32 * u + 4 * t + b];
+        if (type == T_Q4_K) {
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < 32; p++) o[16 + 32 * c + p] = (uint8_t)(v[c][p] | v[c + 4][p] << 4);
+        } else {
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < 32; p++) o[32 * c + p] = (uint8_t)((v[c][p] & 15) | (v[c + 4][p] & 15) << 4);
+            for (int g = 0; g < 2; g++)
+                for (int p = 0; p < 32; p++) {
+                    uint8_t hb = 0;
+                    for (int i = 0; i < 4; i++) hb |= (uint8_t)((v[4 * g + i][p] >> 4 & 3) << (2 * i));
+                    o[128 + 32 * g + p] = hb;
+                }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,203 @@
+"""specfleet's native CPU backend: one C library per ISA path, one loader, one ABI check, one table of the
+C entry points' signatures.
+
+Every C kernel (csrc/: the GGUF block-format products and the fused decoder layers of q_*.c, the bf16
+linear of bf16_linear.c) is linked into one library, compiled on first use by `native.compile_library`
+(the system C compiler, OpenMP; into the cache, named by a hash of the sources and flags) and loaded with
+ctypes, which releases the GIL for each call, so drafter threads overlap it.
+
+ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2`. The CPU's flags pick the best one it
+runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a slower one. Each path is its own build (the macros of
+csrc/q_common.h pick the instructions), every path gives the AVX2 path's bits (tests/test_isa_paths.py),
+so the choice changes speed only. Per-path flags rather than -march=native: the same path builds the same
+code on every machine with those flags, so its bits are too, and a test can build and compare each path
+the CPU runs.
+
+Where no path runs (not x86-64 Linux, no AVX2/FMA/F16C, no compiler, a failed build, `SPECFLEET_NATIVE=0`)
+`library()` is None and `unavailable_reason()` says why, once, in a warning; callers keep torch's routes
+(GGUF files load as dense weights).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from specfleet.runtime.backends.native import build as native
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c",
+           _CSRC / "bf16_linear.c"]
+HEADERS = (_CSRC / "q_common.h",)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# name -> (the CPU flags the path needs, what it adds to FLAGS)
+ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
+    "avx2": ((), ()),
+}
+# 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
+# 6: the bf16 linear in the same library
+ABI = 6
+# input transforms of specfleet_q_linear_fused (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
+PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
+
+
+class FusedPart(ctypes.Structure):
+    """One weight of a fused product (csrc/q_fused.c's sfq_part)."""
+
+    _fields_ = [("type", ctypes.c_int64), ("W", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("N", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class NativeLayer(ctypes.Structure):
+    """One decoder layer for `specfleet_decode_layers` (csrc/q_fused.c's sfq_layer)."""
+
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("n_qkv", ctypes.c_int64), ("n_o", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
+                ("n_down", ctypes.c_int64), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("eps1", ctypes.c_double), ("eps2", ctypes.c_double), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# every C entry point: (argument types, result type)
+SIGNATURES: dict[str, tuple[list, object]] = {
+    "specfleet_q_abi": ([], _int),
+    "specfleet_q_isa": ([], ctypes.c_char_p),
+    "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
+    "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
+    "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
+    "specfleet_rope_kv": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr], None),
+    "specfleet_attend": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr,
+                          _i64], _int),
+    "specfleet_decode_layers": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
+                                 _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _i64], _int),
+    "specfleet_k_pack": ([_int, _ptr, _ptr, _i64, _int], _int),
+    "specfleet_bf16_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
+}
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}  # per ISA path, once tried (None: unavailable, see _reasons)
+_reasons: dict[str, str] = {}
+_default: ctypes.CDLL | None = None  # the library of `isa()`, once loaded (the hot path asks every forward)
+
+
+def missing() -> str | None:
+    """Why no path can be built here, before trying (None: the AVX2 path should build)."""
+    reason = native.missing_prerequisite()
+    if reason is None and "f16c" not in native.cpu_flags():
+        reason = "this CPU lacks F16C"
+    return reason
+
+
+def runnable_isas() -> list[str]:
+    """The ISA paths this CPU can run, best first (empty where the kernels cannot run at all)."""
+    if missing() is not None:
+        return []
+    have = native.cpu_flags()
+    return [name for name, (needs, _) in ISA_PATHS.items() if set(needs) <= have]
+
+
+def isa(wanted: str | None = None) -> str | None:
+    """The ISA path the kernels use here: `wanted` (else SPECFLEET_ISA) where set and runnable, else the best
+    the CPU runs; None where no path runs. An unknown path, or one the CPU cannot run, is a ValueError."""
+    wanted = (wanted if wanted is not None else os.environ.get("SPECFLEET_ISA", "")).strip().lower()
+    paths = runnable_isas()
+    if wanted:
+        if wanted not in ISA_PATHS:
+            raise ValueError(f"ISA path {wanted!r} (SPECFLEET_ISA) is not a kernel path; choose one of {list(ISA_PATHS)}")
+        if wanted not in paths:
+            raise ValueError(f"ISA path {wanted!r} (SPECFLEET_ISA): this CPU cannot run it (it runs {paths or 'none'})")
+        return wanted
+    return paths[0] if paths else None
+
+
+def _load(path: str) -> ctypes.CDLL:
+    reason = missing()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if path not in runnable_isas():
+        raise RuntimeError(f"this CPU cannot run the {path} kernels")
+    lib = native.compile_library(SOURCES, FLAGS + list(ISA_PATHS[path][1]), HEADERS)
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.specfleet_q_abi() != ABI:
+        raise RuntimeError(f"{lib._name} has ABI {lib.specfleet_q_abi()}, expected {ABI}")
+    if lib.specfleet_q_isa().decode() != path:
+        raise RuntimeError(f"{lib._name} was built for {lib.specfleet_q_isa().decode()}, expected {path}")
+    return lib
+
+
+def library(path: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library of ISA path `path` (default: `isa()`), built on first use; None where it cannot
+    be (the reason in `unavailable_reason()`)."""
+    global _default
+    if path is None:
+        if _default is not None:
+            return _default
+        try:
+            path = isa()
+        except ValueError as e:
+            _reasons.setdefault("?", str(e))
+            return None
+        lib = library(path or "avx2")  # no runnable path: _load says why
+        _default = lib
+        return lib
+    if path in _libs:
+        return _libs[path]
+    with _lock:
+        if path not in _libs:
+            try:
+                _libs[path] = _load(path)
+            except Exception as e:  # noqa: BLE001 -- any failure means: no native kernel here
+                _reasons[path] = str(e)
+                _libs[path] = None
+                log.warning("specfleet native kernels (%s) unavailable: %s", path, e)
+    return _libs[path]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def unavailable_reason() -> str | None:
+    if library() is not None:
+        return None
+    return next(iter(_reasons.values()), None)
+
+
+def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] (any float dtype) @ weight [N, K]^T with a contiguous bf16 CPU weight; fp32 [M, N] out,
+    fp32 sums. Checks its arguments; raises if the kernel is unavailable."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native bf16 kernel is unavailable: {unavailable_reason()}")
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("bf16_linear needs a contiguous bf16 CPU weight")
+    if x2.dim() != 2 or x2.shape[1] != weight.shape[1]:
+        raise ValueError(f"bf16_linear: x of shape {tuple(x2.shape)} does not match weight {tuple(weight.shape)}")
+    return run_bf16_linear(lib, x2, weight, bias)
+
+
+def run_bf16_linear(lib: ctypes.CDLL, x2: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`bf16_linear` without the checks, for a caller that has made them (runtime/backends/cpu.py, once per
+    linear layer per forward): `lib` from `library()`, a contiguous bf16 CPU weight, x2 [M, K] on the CPU."""
+    n, k = weight.shape
+    x = x2.to(torch.float32).contiguous()
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        lib.specfleet_bf16_linear(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    if bias is not None:
+        y += bias.float()
+    return y
