@@ -20,6 +20,7 @@ import time
 import torch
 
 from specfleet.bench.report import md_table, write_results
+from specfleet.runtime.backends.bind import bind_linear
 from specfleet.runtime.model import decoder as model_mod
 from specfleet.runtime.backends.native import kernels as native_backend
 from specfleet.runtime.formats.quant import Int8Linear
@@ -34,7 +35,9 @@ def layer_fns(kind: str, dtype: torch.dtype):
         cls = model_mod.Linear if kind.endswith(("specfleet", "sliced")) else torch.nn.Linear
         lin = cls(in_f, out_f, bias=False).to(dtype)
         if kind == "bf16 sliced":  # specfleet's routes without the native kernel
-            lin.runtime = dataclasses.replace(model_mod.DEFAULT_RUNTIME, native_rows=0)
+            bind_linear(lin, torch.device("cpu"), dataclasses.replace(model_mod.DEFAULT_RUNTIME, native_rows=0))
+        elif kind.endswith("specfleet"):
+            bind_linear(lin, torch.device("cpu"), model_mod.DEFAULT_RUNTIME)
         if kind.startswith("int8"):
             fns.append((Int8Linear.from_linear(lin), in_f, dtype))
         else:

@@ -54,6 +54,7 @@ def route_cuda_on_cpu(monkeypatch) -> None:
     """From now on (until monkeypatch undoes it) models built afterwards take the CUDA route on the CPU."""
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
     monkeypatch.setattr(cuda_kernels, "linear", lambda x, w, bias=None: _linear(x, w, bias))
-    monkeypatch.setattr(cuda_kernels, "rms_norm", _rms_norm)
+    # plain functions, as the real kernels are: a bound route is copied with its model (copy.deepcopy)
+    monkeypatch.setattr(cuda_kernels, "rms_norm", lambda x, w, eps, unit_offset: _rms_norm(x, w, eps, unit_offset))
     monkeypatch.setattr(cuda_kernels, "attend",
                         lambda q, k, v, plan, scale: _attend(q, k, v, *plan, scale))

@@ -54,18 +54,21 @@ def test_routing_by_dtype_and_rows():
 
 def test_model_linear_takes_the_routes():
     """Turning the routes off changes nothing but rounding."""
+    from specfleet.runtime.backends.bind import bind_linear
+    from specfleet.runtime.config import RuntimeConfig
     from specfleet.runtime.model.decoder import Linear
 
     torch.manual_seed(3)
     lin = Linear(32, 16)
     x = torch.randn(6, 32)
+    cpu, rt = torch.device("cpu"), RuntimeConfig()
     with torch.no_grad():
-        on = lin(x)
-        lin.runtime = dataclasses.replace(lin.runtime, weight_left=False)
-        off = lin(x)
+        on = bind_linear(lin, cpu, rt)(x)
+        assert not torch.equal(on, F.linear(x, lin.weight, lin.bias))  # the weight-left route was taken
+        off = bind_linear(lin, cpu, dataclasses.replace(rt, weight_left=False))(x)
     torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
     assert torch.equal(off, F.linear(x, lin.weight, lin.bias))
     # training (gradients recorded) takes F.linear and gets its gradients
-    lin.runtime = dataclasses.replace(lin.runtime, weight_left=True)
+    bind_linear(lin, cpu, rt)
     lin(x).sum().backward()
     assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, x.sum(0).expand(16, 32))

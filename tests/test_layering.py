@@ -29,3 +29,17 @@ def test_the_check_catches_an_upward_import():
     assert tool.layer_violations(graph) == [
         "specfleet.runtime.step.runner -> specfleet.engine.scheduler: specfleet.runtime may not import specfleet.engine"]
     assert tool.strongly_connected({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+
+
+def test_the_model_imports_no_backend():
+    """The room rule: runtime.model computes through routes bound by runtime.backends.bind, never by importing
+    a backend itself; the check catches such an import."""
+    tool = _tool()
+    graph = {"specfleet.runtime.model.decoder": {"specfleet.runtime.backends.cuda.kernels", "specfleet.runtime.config"},
+             "specfleet.runtime.backends.cuda.kernels": set(), "specfleet.runtime.config": set()}
+    assert tool.layer_violations(graph) == [
+        "specfleet.runtime.model.decoder -> specfleet.runtime.backends.cuda.kernels: specfleet.runtime.model may "
+        "not import specfleet.runtime.backends"]
+    file_graph, _ = tool.build()
+    model_files = [m for m in file_graph if m.startswith("specfleet.runtime.model.")]
+    assert len(model_files) >= 3  # decoder, config, attention: the rule has something to hold

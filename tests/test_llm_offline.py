@@ -111,21 +111,34 @@ def test_from_model_wraps_the_model_as_it_is_and_names_it():
 
 
 def test_a_runtime_config_reaches_every_module_and_changes_only_rounding():
-    """LLM(..., runtime=RuntimeConfig(...)) hands the settings to the model and each of its linear layers and
-    norms (no module-level switch); outputs stay those of the default routes on a tiny fp32 model."""
+    """LLM(..., runtime=RuntimeConfig(...)) hands the settings to the model, whose every linear layer and norm is
+    routed by them (no module-level switch); outputs stay those of the default routes on a tiny fp32 model."""
     import dataclasses
 
-    from specfleet.runtime.model.decoder import Linear, RMSNorm
+    import torch
+    import torch.nn.functional as F
+
+    from specfleet.runtime.backends.cpu import weight_left_linear
     from specfleet.runtime.config import RuntimeConfig
+    from specfleet.runtime.model.decoder import Linear, RMSNorm
 
     prompts = random_prompts([5, 7])
     default = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
     runtime = dataclasses.replace(RuntimeConfig(), weight_left=False, upcast_rows=0, native_rows=0)
     other = LLM.from_model(ours_from_hf(tiny_hf_model("llama")), dtype="float32", kv_cache_bytes=1 << 20, block_size=4,
                            runtime=runtime)
-    modules = [m for m in other.model.modules() if isinstance(m, (Linear, RMSNorm))]
-    assert modules and all(m.runtime is runtime for m in modules) and other.model.runtime is runtime
-    assert all(m.runtime is not runtime for m in default.model.modules() if isinstance(m, (Linear, RMSNorm)))
+    assert other.model.runtime is runtime and default.model.runtime is not runtime
+    # every linear layer computes by its model's config: weight_left=False is torch's product, the default the
+    # weight-left one (runtime/backends/cpu.py), on the same 3 rows
+    torch.manual_seed(0)
+    for model, weight_left in ((other.model, False), (default.model, True)):
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears and all(isinstance(m, RMSNorm) is False or m.route is None for m in model.modules())
+        for m in linears:
+            x = torch.randn(3, m.in_features)
+            with torch.no_grad():
+                want = weight_left_linear(x, m.weight, m.bias) if weight_left else F.linear(x, m.weight, m.bias)
+                assert torch.equal(m(x), want)
     assert ([o.token_ids for o in other.generate(prompts, GREEDY)]
             == [o.token_ids for o in default.generate(prompts, GREEDY)])
     with pytest.raises(ValueError, match=">= 0"):

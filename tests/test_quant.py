@@ -109,17 +109,19 @@ def test_bf16_cpu_upcast_path_computes_the_same_layer():
     accumulation; below the threshold the plain bf16 path runs. Both agree to bf16 rounding, and a
     bf16 model's greedy output is unchanged on a tiny model."""
     import specfleet.runtime.model.decoder as model_mod
+    from specfleet.runtime.backends.bind import bind_linear
+    from specfleet.runtime.config import RuntimeConfig
 
     torch.manual_seed(0)
     lin = model_mod.Linear(64, 48, bias=True).to(torch.bfloat16)
     x = torch.randn(20, 64, dtype=torch.bfloat16)
     exact = F.linear(x.float(), lin.weight.float(), lin.bias.float())
-    lin.runtime = dataclasses.replace(lin.runtime, upcast_rows=16)
+    bind_linear(lin, torch.device("cpu"), dataclasses.replace(RuntimeConfig(), upcast_rows=16))
     lin.requires_grad_(False)
     up = lin(x)
     # the fp32 path, rounded once to bf16: within half a bf16 step of the exact product
     assert ((up.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
     small = lin(x[:4])  # under the threshold: torch's bf16 kernel
     assert torch.allclose(small.float(), exact[:4], atol=0.1, rtol=0.02)
-    lin.runtime = dataclasses.replace(lin.runtime, upcast_rows=0)
+    bind_linear(lin, torch.device("cpu"), dataclasses.replace(RuntimeConfig(), upcast_rows=0))
     assert torch.allclose(lin(x).float(), exact, atol=0.1, rtol=0.02)

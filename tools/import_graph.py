@@ -17,6 +17,7 @@ Layers, highest first; a package may import only packages of lower layers:
     strategies                                 vote, select, fleet, adaptive length, the spec grammar
     drafting                                   draft sources: models, n-grams, lookup, suffix, remote
     runtime                                    device code: models, kernels, KV memory, loading
+                                               (inside it, runtime.model imports no backend: ROOM_RULES)
     core, models                               shared types (tree, proposer protocol, verifier), the registry
     config, outputs, extras, sampling_params   plain settings and results
     errors
@@ -38,6 +39,11 @@ PACKAGE = "specfleet"
 LAYERS = [["cli"], ["cluster", "server", "distill"], ["bench"], ["llm"], ["engine"], ["strategies"], ["drafting"], ["runtime"],
           ["core", "models"], ["config", "outputs", "extras", "sampling_params"], ["errors"]]
 RANK = {f"{PACKAGE}.{name}": len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer}
+# Rooms inside a layer that must not reach into others (docs/layout.md): the model is modules only and
+# computes through the routes runtime/backends/bind.py hands it, so it imports no backend, no loader,
+# no step plumbing, no sampling and no weight format.
+ROOM_RULES = {f"{PACKAGE}.runtime.model": tuple(f"{PACKAGE}.runtime.{room}" for room in
+                                                ("backends", "step", "loading", "sample", "formats"))}
 
 
 def module_name(path: Path) -> str:
@@ -152,6 +158,13 @@ def layer_violations(file_graph: dict[str, set[str]]) -> list[str]:
                 out.append(f"{src} -> {dst}: {a if a not in RANK else b} has no layer (add it to LAYERS)")
             elif RANK[a] <= RANK[b]:
                 out.append(f"{src} -> {dst}: {a} may not import {b}")
+    for src in sorted(file_graph):
+        for room, barred in ROOM_RULES.items():
+            if src == room or src.startswith(room + "."):
+                for dst in sorted(file_graph[src]):
+                    hit = next((b for b in barred if dst == b or dst.startswith(b + ".")), None)
+                    if hit:
+                        out.append(f"{src} -> {dst}: {room} may not import {hit}")
     return out
 
 

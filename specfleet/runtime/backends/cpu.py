@@ -33,47 +33,12 @@ gradients, goes to `F.linear`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from specfleet.runtime.backends.native import kernels as native_backend
 
 SLICE_BYTES = 4 << 20  # fp32 bytes of weight converted per slice (measured best of 0.5-8 MiB on a 2-core EPYC)
-
-
-def _native_bf16() -> bool:
-    cpu = getattr(torch, "cpu", None)
-    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
-def default_upcast_rows() -> int:
-    """Rows from which a bf16 CPU linear computes in fp32 (0 = never): 0 where the CPU has native bf16
-    matmuls, else 4. Measured on the 1.5B's layer shapes (2-core AVX2 EPYC), cost against one bf16 row,
-    torch bf16 -> sliced fp32: 2 rows 1.7 -> 2.6 (so not there), 4 rows 3.4 -> 2.2, 5 rows 4.1 -> 2.9,
-    8 rows 7.0 -> 3.8, 16 rows 13.9 -> 3.5, 64 rows 53 -> 8.7.
-    `SPECFLEET_CPU_UPCAST_ROWS` overrides it."""
-    env = os.environ.get("SPECFLEET_CPU_UPCAST_ROWS")
-    if env is not None:
-        return max(0, int(env))
-    return 0 if _native_bf16() else 4
-
-
-def default_native_rows() -> int:
-    """Rows up to which a bf16 CPU linear uses the native kernel (0 = never): 0 where the CPU has native
-    bf16 matmuls (oneDNN's kernels serve it), else 32 (from 32 rows on, prefill-sized products, BLAS on
-    sliced fp32 weights is as fast). `SPECFLEET_CPU_NATIVE_ROWS` overrides it; `SPECFLEET_NATIVE=0`
-    turns the kernel off altogether."""
-    env = os.environ.get("SPECFLEET_CPU_NATIVE_ROWS")
-    if env is not None:
-        return max(0, int(env))
-    return 0 if _native_bf16() else 32
-
-
-def default_weight_left() -> bool:
-    """Whether fp32 CPU products of 2+ rows use W @ x^T. `SPECFLEET_CPU_WEIGHT_LEFT=0` turns it off."""
-    return os.environ.get("SPECFLEET_CPU_WEIGHT_LEFT", "1") not in ("0", "false", "no", "off")
 
 
 def weight_left_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

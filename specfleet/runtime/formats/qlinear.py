@@ -70,8 +70,10 @@ class QLinear(nn.Module):
         self.parts = list(zip(fused, biases))  # plain attributes: see the module docstring
         self._single = self.parts[0] if len(self.parts) == 1 else None
         self._head_rows: dict[int, Weight] = {}
-        # every part in a block format: one native call computes them all (csrc/q_fused.c)
+        # every part in a block format: one native call computes them all (csrc/q_fused.c), through the
+        # library taken here, when the layer is made (None where no native path runs: a product per part)
         self.all_quantized = all(isinstance(w, QTensor) for w, _ in self.parts)
+        self.lib = native_backend.library() if self.all_quantized else None
         self._cparts = None
 
     @property
@@ -83,7 +85,7 @@ class QLinear(nn.Module):
         return [w.qtype.name if isinstance(w, QTensor) else "F32" for w, _ in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] fp32 -> [rows, out] fp32
-        lib = native_backend.library() if self.all_quantized else None
+        lib = self.lib
         if (lib is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.shape[1] == self.in_features):
             # one call for every part, bit for bit what the per-part products and the cat give

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from specfleet.errors import InvalidRequestError
+from specfleet.runtime.backends.bind import bind
 from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.model.config import ModelConfig
 from specfleet.runtime.loading.weights import install_quantized, load_weights
@@ -42,4 +43,4 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, weights)
     model.init_rotary(device)
-    return model.eval().requires_grad_(False)
+    return bind(model.eval().requires_grad_(False), device)

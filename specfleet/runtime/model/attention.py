@@ -124,7 +124,8 @@ class AttentionBatch:
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     seqs: list[SeqAttention]
-    # the step's key plan on the device (runtime/cuda_kernels.DevicePlan), when the CUDA kernels attend
+    # the step's key plan on the device (runtime/backends/cuda/kernels.DevicePlan, which attends over it),
+    # set by the runner when the CUDA kernels attend
     plan: object | None = None
 
     @property
@@ -147,9 +148,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_kv_heads = k_cache.shape[1]
     if batch.plan is not None and window is None:  # CUDA: one batch-invariant call for every row of the step
-        from specfleet.runtime.backends.cuda import kernels as cuda_kernels
-
-        o = cuda_kernels.attend(q, k_cache, v_cache, batch.plan, scale)
+        o = batch.plan.attend(q, k_cache, v_cache, scale)
         return o if out is None else out.copy_(o)
     out = torch.empty_like(q) if out is None else out
     start = 0

@@ -20,29 +20,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfleet.runtime.backends.cuda import kernels as cuda_kernels
-from specfleet.runtime.backends.cpu import cpu_linear
-from specfleet.runtime.model.attention import AttentionBatch, paged_attention
-from specfleet.runtime.kv.cache import KVCache
-from specfleet.runtime.model.config import ModelConfig
-from specfleet.runtime.backends.native.forward import forward_native, native_lib
 from specfleet.runtime.config import RuntimeConfig
+from specfleet.runtime.kv.cache import KVCache
+from specfleet.runtime.model.attention import AttentionBatch, paged_attention
+from specfleet.runtime.model.config import ModelConfig
 
-DEFAULT_RUNTIME = RuntimeConfig()  # what a module computes with until its model's set_runtime hands it another
+DEFAULT_RUNTIME = RuntimeConfig()  # what a model computes with until set_runtime hands it another
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU products take the faster routes of runtime/backends/cpu.py; same weights."""
+    """nn.Linear whose product goes through its bound route (runtime/backends/bind.py: the CPU routes,
+    the batch-invariant CUDA kernel or torch's); same weights. Unbound, it is torch's `F.linear`."""
 
-    runtime = DEFAULT_RUNTIME
+    route = staticmethod(F.linear)  # (x, weight, bias) -> y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rt = self.runtime
-        if rt.cuda_kernels and cuda_kernels.available(x.device):  # batch-invariant: a row summed as its decode step
-            return cuda_kernels.linear(x, self.weight, self.bias)
-        if x.device.type == "cpu":
-            return cpu_linear(x, self.weight, self.bias, rt.upcast_rows, rt.weight_left, rt.native_rows)
-        return F.linear(x, self.weight, self.bias)
+        return self.route(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +43,7 @@ class RMSNorm(nn.Module):
     `unit_offset`, Gemma's ((1 + weight) * normalized x, the product in fp32; the weight is stored as
     Hugging Face stores it, without the 1)."""
 
-    runtime = DEFAULT_RUNTIME
+    route = None  # bound (runtime/backends/bind.py) to a kernel (x, weight, eps, unit_offset) -> y; None: the torch body
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -59,8 +52,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runtime.cuda_kernels and cuda_kernels.available(x.device):  # one program per row
-            return cuda_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        if self.route is not None:
+            return self.route(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -183,21 +176,28 @@ class DecoderLM(nn.Module):
         self.head_q = None  # an int8 head after runtime.quant.quantize_model
         self.quantization: str | None = None
         self.runtime = DEFAULT_RUNTIME
+        # The compute routes, fixed by runtime/backends/bind.py when the model is built, when a runner takes it
+        # and when set_runtime replaces its RuntimeConfig (the model imports no backend): the output head's
+        # product, and the native layers (every decoder layer in one C call) where this model can take them.
+        self.head_route = F.linear
+        self.fused_layers = None  # (model, input_ids, positions, batch, kv) -> hidden, or None to run the modules
+        self.binder = None  # (model) -> None: binds the routes again (set by bind, called by set_runtime)
 
     def set_runtime(self, runtime: RuntimeConfig) -> "DecoderLM":
-        """Compute with `runtime` from now on: this model and every module of it that reads one (the
-        linear layers and norms, including any the loader or a quantizer put in since)."""
-        for m in self.modules():
-            if isinstance(m, (Linear, RMSNorm)) or m is self:
-                m.runtime = runtime
+        """Compute with `runtime` from now on: the routes of every layer (including any the loader or a
+        quantizer put in since) are bound again."""
+        self.runtime = runtime
+        if self.binder is not None:
+            self.binder(self)
         return self
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: KVCache) -> torch.Tensor:  # -> hidden [num_tokens, hidden]
-        lib = native_lib(self, input_ids, kv) if self.runtime.fused_native else None
-        if lib is not None:
-            return forward_native(self, lib, input_ids, positions, batch, kv)
+        if self.fused_layers is not None:
+            hidden = self.fused_layers(self, input_ids, positions, batch, kv)
+            if hidden is not None:
+                return hidden
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: the factor in the activation dtype, as transformers does
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
@@ -229,9 +229,4 @@ class DecoderLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if vocab_limit is not None:
             weight = weight[:vocab_limit]
-        rt = self.runtime
-        if rt.cuda_kernels and cuda_kernels.available(hidden.device):
-            return cuda_kernels.linear(hidden, weight).float()
-        if hidden.device.type == "cpu":
-            return cpu_linear(hidden, weight, None, rt.upcast_rows, rt.weight_left, rt.native_rows).float()
-        return F.linear(hidden, weight).float()
+        return self.head_route(hidden, weight, None).float()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specfleet.runtime.backends.bind import bind
 from specfleet.runtime.backends.cuda import kernels as cuda_kernels
 from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
@@ -60,7 +61,7 @@ def tree_item(request_id: str, tokens: list[int], context_len: int, tree: DraftT
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv: KVCache, device: torch.device, vocab_limit: int | None = None):
-        self.model = model
+        self.model = bind(model, device)  # every layer's route fixed here, for this device
         self.vocab_limit = vocab_limit  # logits over the first `vocab_limit` token ids only (drafts)
         self.kv = kv
         self.device = device

@@ -195,3 +195,7 @@ class DevicePlan(NamedTuple):
     xoff: torch.Tensor
     nkeys: torch.Tensor
     extras: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` over this plan (the model's attention calls it without importing this backend)."""
+        return attend(q, k_cache, v_cache, self, scale)

@@ -57,6 +57,17 @@ def _build(out: Path, compiler: str, sources: list[Path], flags: list[str]) -> N
             os.unlink(tmp)
 
 
+class Library(ctypes.CDLL):
+    """A loaded kernel library: one per process and build, so a copied model (copy.deepcopy) shares it
+    rather than failing to copy the handle (ctypes cannot copy function pointers)."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
     """Build `source` (one C file, or several linked into one library) into `<cache root>/native/`
     (named by a hash of the sources, the `headers` they include and the command, so an edited kernel is
@@ -81,7 +92,7 @@ def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[
             path = Path(tempfile.gettempdir()) / f"specfleet-native-{os.getuid()}" / name
             if not path.exists():
                 _build(path, compiler, sources, flags)
-    return ctypes.CDLL(str(path))
+    return Library(str(path))
 
 
 def _compiler() -> str | None:

@@ -1,7 +1,8 @@
 """The forward of a native GGUF model: every decoder layer of every row in one call into csrc/q_fused.c.
 
-`native_lib` says whether a model can take this path (a property of the model, decided once, so every
-step of a request takes the same path) and `forward_native` runs it over the step's key plan
+`model_fits` says whether a model can take this path (a property of the model, decided when its routes are
+bound, so every step of a request takes the same path), `fused_layers_route` is the route bound to it and
+`forward_native` runs it over the step's key plan
 (runtime/step/plan.py). `runtime/model/decoder.py` holds the modules; this file is the bridge from them to C.
 """
 from __future__ import annotations
@@ -15,39 +16,63 @@ from specfleet.runtime.kv.cache import KVCache
 from specfleet.runtime.step.plan import KeyPlan
 
 
-def native_lib(model, input_ids: torch.Tensor, kv: KVCache):
-    """The native library when this model can run `forward_native` (every linear layer of every
-    decoder layer a QLinear wholly in block formats, no q/k norm, fp32 CPU KV cache), else None.
-    Whether it can is a property of the model, so every step of a request (decode, verification,
+def model_fits(model) -> bool:
+    """Whether a model's layers can run `forward_native`: every linear layer of every decoder layer a
+    QLinear wholly in block formats, no q/k norm, fp32 norms and rotary tables, the head shapes the C
+    attention takes. A property of the model, so every step of a request (decode, verification,
     prefill) takes the same path."""
     if model.config.is_gemma3:  # the native layers compute a Llama/Qwen layer only
-        return None
+        return False
+    from specfleet.runtime.formats.qlinear import QLinear
+
+    def quantized(m) -> bool:
+        return isinstance(m, QLinear) and m.all_quantized
+
+    cfg = model.config
+    return (cfg.head_dim % 32 == 0 and cfg.head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0
+            and cfg.num_heads // cfg.num_kv_heads <= 16  # what the C attention takes
+            and model.rotary.cos.dtype == torch.float32 and model.rotary.cos.is_contiguous()
+            and all(quantized(layer.self_attn.qkv_proj) and quantized(layer.self_attn.o_proj)
+                    and quantized(layer.mlp.gate_up_proj) and quantized(layer.mlp.down_proj)
+                    and layer.self_attn.q_norm is None and layer.input_layernorm.weight.dtype == torch.float32
+                    and layer.post_attention_layernorm.weight.dtype == torch.float32
+                    for layer in model.layers))
+
+
+def kv_fits(input_ids: torch.Tensor, kv: KVCache) -> bool:
+    """Whether a step's inputs and KV cache are what the C layers read: CPU, an fp32 contiguous cache."""
     k0 = kv.k[0]
-    if input_ids.device.type != "cpu" or k0.dtype != torch.float32 or k0.device.type != "cpu" or not all(
-            c.is_contiguous() for c in (k0, kv.v[0])):
-        return None
-    ok = getattr(model, "_native_ok", None)
-    if ok is None:
-        from specfleet.runtime.formats.qlinear import QLinear
+    return (input_ids.device.type == "cpu" and k0.dtype == torch.float32 and k0.device.type == "cpu"
+            and k0.is_contiguous() and kv.v[0].is_contiguous())
 
-        def quantized(m) -> bool:
-            return isinstance(m, QLinear) and m.all_quantized
 
-        cfg = model.config
-        ok = (cfg.head_dim % 32 == 0 and cfg.head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0
-              and cfg.num_heads // cfg.num_kv_heads <= 16  # what the C attention takes
-              and model.rotary.cos.dtype == torch.float32 and model.rotary.cos.is_contiguous()
-              and all(quantized(layer.self_attn.qkv_proj) and quantized(layer.self_attn.o_proj)
-                      and quantized(layer.mlp.gate_up_proj) and quantized(layer.mlp.down_proj)
-                      and layer.self_attn.q_norm is None and layer.input_layernorm.weight.dtype == torch.float32
-                      and layer.post_attention_layernorm.weight.dtype == torch.float32
-                      for layer in model.layers))
-        model._native_ok = ok
-    if not ok:
+def native_lib(model, input_ids: torch.Tensor, kv: KVCache):
+    """The native library when this model can run `forward_native` over `kv`, else None."""
+    if not kv_fits(input_ids, kv) or not model_fits(model):
         return None
     from specfleet.runtime.backends.native import kernels as native_backend
 
     return native_backend.library()
+
+
+def fused_layers_route(model):
+    """A model's `fused_layers` route (runtime/backends/bind.py): the forward of every decoder layer in one
+    native call, or None where the model cannot take it or no library runs here (decided once, when the
+    routes are bound). The route itself returns None for a cache the C layers cannot read, and the model
+    then runs its modules."""
+    if not model_fits(model):
+        return None
+    from specfleet.runtime.backends.native import kernels as native_backend
+
+    lib = native_backend.library()
+    if lib is None:
+        return None
+
+    def run(model, input_ids, positions, batch, kv):
+        return forward_native(model, lib, input_ids, positions, batch, kv) if kv_fits(input_ids, kv) else None
+
+    return run
+
 
 def forward_native(model, lib, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                    kv: KVCache) -> torch.Tensor:
