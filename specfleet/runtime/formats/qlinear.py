@@ -70,7 +70,7 @@ class QLinear(nn.Module):
         self.parts = list(zip(fused, biases))  # plain attributes: see the module docstring
         self._single = self.parts[0] if len(self.parts) == 1 else None
         self._head_rows: dict[int, Weight] = {}
-        # every part in a block format: one native call computes them all (csrc/q_fused.c)
+        # every part in a block format: one native call computes them all (csrc/fused_linear.c)
         self.all_quantized = all(isinstance(w, QTensor) for w, _ in self.parts)
         self._cparts = None
 
