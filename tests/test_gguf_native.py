@@ -175,11 +175,12 @@ def test_fallback_to_dense_weights_when_the_kernels_are_off(tiny_gguf, monkeypat
         resolve_quantization("gguf", False, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("machine,flags,why", [("aarch64", {"fp", "asimd", "asimddp"}, "x86-64 Linux only"),
-                                               ("x86_64", {"sse4_2", "avx", "f16c"}, "lacks AVX2 or FMA")],
-                         ids=["arm-neon", "x86-without-avx2"])
+@pytest.mark.parametrize("machine,flags,why", [("aarch64", {"fp", "asimd"}, "lacks the dot product"),
+                                               ("x86_64", {"sse4_2", "avx", "f16c"}, "lacks AVX2 or FMA"),
+                                               ("riscv64", {"rv64imafdc"}, "no native kernel path for riscv64")],
+                         ids=["arm-without-dotprod", "x86-without-avx2", "riscv"])
 def test_a_cpu_the_kernels_do_not_cover_runs_dense_and_says_why(tiny_gguf, monkeypatch, caplog, machine, flags, why):
-    """Simulated CPUs without AVX2 (an ARM with NEON dot products, an older x86): no kernel path runs, the
+    """Simulated CPUs no native path covers (an ARM without the dot product, an older x86, a RISC-V): no kernel path runs, the
     GGUF file loads as dense weights with one warning naming why, and the model computes what the
     dequantized weights say; nothing raises."""
     import platform

@@ -1,4 +1,5 @@
-"""The block-format kernels' ISA paths (runtime/backends/native/kernels.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI).
+"""The block-format kernels' ISA paths (runtime/backends/native/kernels.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI,
+and the plain-C generic path any machine with a compiler builds; the ARM path is tests/test_arm_qemu.py's).
 
 Contract: every path the CPU can run computes bit for bit what the AVX2 path computes, for every format,
 every row count (each row-tile tail) and through the fused entry point with its input transforms. So the
@@ -19,11 +20,11 @@ from specfleet.runtime.backends.native.kernels import PRE_NONE, PRE_RMSNORM, PRE
 from specfleet.runtime.formats.qtensor import fused_parts, run_fused, run_qlinear
 from test_qkernels import FORMATS, block_of, random_blocks
 
-FAST_PATHS = [p for p in native_backend.ISA_PATHS if p != "avx2"]
+FAST_PATHS = [p for p in native_backend.ISA_PATHS if p != "avx2" and native_backend.FAMILY[p] in ("x86", "generic")]
 
 
 def _lib_or_skip(path: str):
-    if path not in native_backend.runnable_isas():
+    if not native_backend._pinnable(path):
         needs = native_backend.ISA_PATHS[path][0]
         pytest.skip(f"this CPU cannot run the {path} kernels (needs {', '.join(needs)}; "
                     f"has {sorted(f for f in native.cpu_flags() if 'avx' in f) or 'none of them'})")
@@ -46,7 +47,7 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("SPECFLEET_ISA", "avx9000")
     with pytest.raises(ValueError, match="not a kernel path"):
         native_backend.isa()
-    missing = [p for p in native_backend.ISA_PATHS if p not in native_backend.runnable_isas()]
+    missing = [p for p in native_backend.ISA_PATHS if not native_backend._pinnable(p)]
     if missing and native_backend.runnable_isas():
         monkeypatch.setenv("SPECFLEET_ISA", missing[0])
         with pytest.raises(ValueError, match="cannot run it"):

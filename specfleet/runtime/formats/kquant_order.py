@@ -1,4 +1,4 @@
-"""The kernels' byte order of the K formats (csrc/q_kquants.c), in numpy: the reference of the C
+"""The kernels' byte order of the K formats (csrc/q_common.h, csrc/k_pack.c), in numpy: the reference of the C
 re-ordering `specfleet_k_pack` and the way back to ggml's order that gguf-py dequantizes.
 
 Weight e = 32u + 4t + b of a Q4_K / Q6_K block (u, t in 0..7, b in 0..3) sits at byte 4u + b of 32-byte

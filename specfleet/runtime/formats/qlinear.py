@@ -70,7 +70,7 @@ class QLinear(nn.Module):
         self.parts = list(zip(fused, biases))  # plain attributes: see the module docstring
         self._single = self.parts[0] if len(self.parts) == 1 else None
         self._head_rows: dict[int, Weight] = {}
-        # every part in a block format: one native call computes them all (csrc/q_fused.c), through the
+        # every part in a block format: one native call computes them all (csrc/fused_linear.c), through the
         # library taken here, when the layer is made (None where no native path runs: a product per part)
         self.all_quantized = all(isinstance(w, QTensor) for w, _ in self.parts)
         self.lib = native_backend.library() if self.all_quantized else None

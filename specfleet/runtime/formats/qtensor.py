@@ -1,8 +1,8 @@
-"""Weights kept in a GGUF block format, and their products: the Python side of csrc/q_*.c.
+"""Weights kept in a GGUF block format, and their products: the Python side of the native kernels (runtime/backends/native/csrc/).
 
 A `QTensor` is a 2-D weight [N, K] (N output rows, K inputs) stored as llama.cpp stores it: each row
-is K / block_size blocks of `type_size` bytes (the layouts are written out at the top of
-csrc/q_legacy.c and csrc/q_kquants.c). The 32-weight formats' bytes can wrap the GGUF file's read-only
+is K / block_size blocks of `type_size` bytes (the layouts are written out in
+csrc/q_common.h). The 32-weight formats' bytes can wrap the GGUF file's read-only
 memory map; Q4_K and Q6_K are copied once with each block's quants re-ordered for the kernels
 (`pack_k`: same block size, scales where they were; `gguf_bytes()` gives the file's order back). Either
 way a model loaded like this costs about the file's size in memory.
@@ -237,7 +237,7 @@ def run_fused(lib: ctypes.CDLL, parts, nparts: int, k: int, x: torch.Tensor, y: 
     """y[:, sum of parts' N] (=, or += with `accumulate`) pre(x) @ W^T (+ bias) for the weights of `parts`
     (`fused_parts`), side by side; without checks beyond the kernel's own. x fp32 [M, K] rows (or [M, 2K]:
     gate | up with PRE_SILU_MUL) with unit inner stride, y fp32 [M, *] likewise; pre_weight fp32 [K]
-    contiguous with PRE_RMSNORM. Per row the same computation whatever M is (csrc/q_fused.c)."""
+    contiguous with PRE_RMSNORM. Per row the same computation whatever M is (csrc/fused_linear.c)."""
     m = x.shape[0]
     rc = lib.specfleet_q_linear_fused(parts, nparts, k, x.data_ptr(), x.stride(0), m, pre,
                                       None if pre_weight is None else pre_weight.data_ptr(), eps, y.data_ptr(),

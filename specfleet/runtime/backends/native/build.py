@@ -1,4 +1,4 @@
-"""The build side of specfleet's native CPU code and the bf16-weight linear of csrc/bf16_linear.c.
+"""The build side of specfleet's native CPU code: which C sources build, with which flags, on which machine.
 
 `compile_library` compiles C sources with the system C compiler into `<cache root>/native/` and loads
 them with ctypes: no torch headers, so a build takes seconds. OpenMP is linked by soname
@@ -8,7 +8,7 @@ edited kernel is rebuilt; builds go to a temporary file renamed into place, so c
 load a half-written library. runtime/backends/native/kernels.py is the one loader of the kernels it builds.
 `cpu_flags` is the one reader of the CPU's flags.
 
-The kernels' wrappers (the bf16 linear of csrc/bf16_linear.c among them) live in runtime/backends/native/kernels.py.
+The kernels' wrappers (and the choice of sources and flags per ISA path) live in runtime/backends/native/kernels.py.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[
     (named by a hash of the sources, the `headers` they include and the command, so an edited kernel is
     rebuilt; in the temp directory if the cache is read-only) and load it. Raises with the reason where
     it cannot (see `missing_prerequisite`)."""
-    missing = missing_prerequisite()
+    missing = missing_prerequisite("generic")  # the switch, the system, a compiler; the CPU is the caller's
     if missing is not None:
         raise RuntimeError(missing)
     sources = [source] if isinstance(source, Path) else list(source)
@@ -99,14 +99,36 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def missing_prerequisite() -> str | None:
-    """Why the kernel cannot be built here, before trying (None: it should build)."""
+def machine_family() -> str | None:
+    """The kernels' architecture family of this machine: "x86" (x86-64), "arm" (aarch64), None (neither)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return "x86"
+    if machine in ("aarch64", "arm64"):
+        return "arm"
+    return None
+
+
+def missing_prerequisite(family: str | None = None) -> str | None:
+    """Why the kernels of `family` cannot be built and run here, in one line, before trying (None: they
+    should). `family`: "x86", "arm" or "generic" (plain C, any CPU); default this machine's own family."""
     if os.environ.get("SPECFLEET_NATIVE", "1").lower() in ("0", "false", "no", "off"):
         return "turned off by SPECFLEET_NATIVE=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"built for x86-64 Linux only, this is {platform.system()} {platform.machine()}"
-    if not _cpu_has_avx2_fma():
-        return "this CPU lacks AVX2 or FMA"
+    system, machine = platform.system(), platform.machine()
+    if system != "Linux":
+        return f"the native kernels are built on Linux only (x86-64 with AVX2, aarch64 with the dot product), this is {system} {machine}"
+    own = machine_family()
+    if family is None:
+        if own is None:
+            return f"no native kernel path for {machine} (x86-64 with AVX2, aarch64 with the dot product)"
+        family = own
+    if family != "generic":
+        if family != own:
+            return f"the {family} kernels do not run on {machine}"
+        if family == "x86" and not _cpu_has_avx2_fma():
+            return "this CPU lacks AVX2 or FMA"
+        if family == "arm" and "asimddp" not in cpu_flags():
+            return "this ARM CPU lacks the dot product extension (no asimddp in /proc/cpuinfo)"
     if _compiler() is None:
         return "no C compiler found (set CC, or install gcc)"
     return None

@@ -1,4 +1,4 @@
-"""The forward of a native GGUF model: every decoder layer of every row in one call into csrc/q_fused.c.
+"""The forward of a native GGUF model: every decoder layer of every row in one call into csrc/layers.c.
 
 `model_fits` says whether a model can take this path (a property of the model, decided when its routes are
 bound, so every step of a request takes the same path), `fused_layers_route` is the route bound to it and
@@ -76,7 +76,7 @@ def fused_layers_route(model):
 
 def forward_native(model, lib, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                    kv: KVCache) -> torch.Tensor:
-    """The forward of a native GGUF model, every decoder layer in one native call (csrc/q_fused.c,
+    """The forward of a native GGUF model, every decoder layer in one native call (csrc/layers.c,
     `specfleet_decode_layers`): per layer RMSNorm + q/k/v products + bias; rotary + KV cache write;
     attention of each row over the keys of the step's key plan (runtime/step/plan.py); o product
     added to the residual; RMSNorm + gate/up products; SiLU * up + down product added to the

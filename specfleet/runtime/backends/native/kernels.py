@@ -1,21 +1,28 @@
 """specfleet's native CPU backend: one C library per ISA path, one loader, one ABI check, one table of the
 C entry points' signatures.
 
-Every C kernel (csrc/: the GGUF block-format products and the fused decoder layers of q_*.c, the bf16
-linear of bf16_linear.c) is linked into one library, compiled on first use by `native.compile_library`
-(the system C compiler, OpenMP; into the cache, named by a hash of the sources and flags) and loaded with
+Every C kernel (csrc/: the GGUF block-format products, the fused products, attention and the layer loop,
+the bf16 linear) is linked into one library, compiled on first use by `native.compile_library` (the
+system C compiler, OpenMP; into the cache, named by a hash of the sources and flags) and loaded with
 ctypes, which releases the GIL for each call, so drafter threads overlap it.
 
-ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2`. The CPU's flags pick the best one it
-runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a slower one. Each path is its own build (the macros of
-csrc/q_common.h pick the instructions), every path gives the AVX2 path's bits (tests/test_isa_paths.py),
-so the choice changes speed only. Per-path flags rather than -march=native: the same path builds the same
-code on every machine with those flags, so its bits are too, and a test can build and compare each path
-the CPU runs.
+csrc/ is split at an architecture boundary: the drivers (q_linear.c, fused_linear.c, attention.c,
+layers.c, k_pack.c) and the contract (q_common.h) are arch-free C; each path links them with one
+family's bodies (`BODIES`): csrc/arch/x86/ (AVX2, AVX-VNNI, AVX512-VNNI), csrc/arch/arm/ (NEON with the
+dot product) or csrc/generic/ (plain C that any compiler builds).
 
-Where no path runs (not x86-64 Linux, no AVX2/FMA/F16C, no compiler, a failed build, `SPECFLEET_NATIVE=0`)
-`library()` is None and `unavailable_reason()` says why, once, in a warning; callers keep torch's routes
-(GGUF files load as dense weights).
+ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2` on x86-64 Linux, `neondot` on
+aarch64 Linux. The CPU's flags pick the best one it runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a
+slower one. `generic` runs on any Linux machine with a C compiler but is never picked by itself (it is
+the reference the tests pin, tests/test_csrc_generic.py). Each path is its own build, every path gives
+the generic path's bits (tests/test_isa_paths.py, tests/test_csrc_generic.py, tests/test_arm_qemu.py),
+so the choice changes speed only. Per-path flags rather than -march=native: the same path builds the
+same code on every machine with those flags, so its bits are too, and a test can build and compare each
+path the CPU runs.
+
+Where no path runs (another OS or CPU, an x86 without AVX2/FMA/F16C, an ARM without the dot product, no
+compiler, a failed build, `SPECFLEET_NATIVE=0`) `library()` is None and `unavailable_reason()` says why,
+in one line, once, in a warning; callers keep torch's routes (GGUF files load as dense weights).
 """
 from __future__ import annotations
 
@@ -32,33 +39,58 @@ from specfleet.runtime.backends.native import build as native
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / "q_linear.c", _CSRC / "q_legacy.c", _CSRC / "q_kquants.c", _CSRC / "q_fused.c",
-           _CSRC / "bf16_linear.c"]
-HEADERS = (_CSRC / "q_common.h",)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# name -> (the CPU flags the path needs, what it adds to FLAGS)
+# the arch-free drivers every path links
+DRIVERS = [_CSRC / n for n in ("q_linear.c", "fused_linear.c", "attention.c", "layers.c", "k_pack.c")]
+# each family's bodies: the formats' column functions and quantizers, row ops, attention, the bf16 linear
+BODIES: dict[str, list[Path]] = {
+    "x86": [_CSRC / "arch" / "x86" / n for n in ("quants_legacy.c", "quants_k.c", "rowops.c", "attention.c",
+                                                 "bf16_linear.c")],
+    "arm": [*(_CSRC / "arch" / "arm" / n for n in ("quants.c", "rowops.c", "attention.c")),
+            _CSRC / "generic" / "bf16_linear.c"],
+    "generic": [_CSRC / "generic" / n for n in ("quants.c", "rowops.c", "attention.c", "bf16_linear.c")],
+}
+HEADERS = tuple(sorted(_CSRC.rglob("*.h")))
+# every build: no fused multiply-add the source does not write (the bodies' shared bits depend on it)
+BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FAMILY_FLAGS = {"x86": ["-mavx2", "-mfma", "-mf16c"], "arm": ["-march=armv8.2-a+dotprod"], "generic": []}
+# name -> (the CPU flags the path needs, what it adds to its family's flags), best first
 ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
     "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
     "avx2": ((), ()),
+    "neondot": (("asimddp",), ()),
+    "generic": ((), ()),
 }
+FAMILY = {"avx512vnni": "x86", "avxvnni": "x86", "avx2": "x86", "neondot": "arm", "generic": "generic"}
+
+
+def sources(path: str) -> list[Path]:
+    """The C files of ISA path `path`'s library."""
+    return DRIVERS + BODIES[FAMILY[path]]
+
+
+def flags(path: str) -> list[str]:
+    """The compiler flags of ISA path `path`'s library."""
+    return BASE_FLAGS + FAMILY_FLAGS[FAMILY[path]] + list(ISA_PATHS[path][1]) + ["-lm"]
+
+
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library
 ABI = 6
-# input transforms of specfleet_q_linear_fused (csrc/q_fused.c): none, RMSNorm with a weight, SiLU(gate) * up
+# input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
 
 class FusedPart(ctypes.Structure):
-    """One weight of a fused product (csrc/q_fused.c's sfq_part)."""
+    """One weight of a fused product (csrc/q_common.h's sfq_part)."""
 
     _fields_ = [("type", ctypes.c_int64), ("W", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
 class NativeLayer(ctypes.Structure):
-    """One decoder layer for `specfleet_decode_layers` (csrc/q_fused.c's sfq_layer)."""
+    """One decoder layer for `specfleet_decode_layers` (csrc/layers.c's sfq_layer)."""
 
     _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
                 ("n_qkv", ctypes.c_int64), ("n_o", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
@@ -91,42 +123,48 @@ _default: ctypes.CDLL | None = None  # the library of `isa()`, once loaded (the 
 
 
 def missing() -> str | None:
-    """Why no path can be built here, before trying (None: the AVX2 path should build)."""
+    """Why no native path can be built here, before trying (None: this machine's best path should build)."""
     reason = native.missing_prerequisite()
-    if reason is None and "f16c" not in native.cpu_flags():
+    if reason is None and native.machine_family() == "x86" and "f16c" not in native.cpu_flags():
         reason = "this CPU lacks F16C"
     return reason
 
 
 def runnable_isas() -> list[str]:
-    """The ISA paths this CPU can run, best first (empty where the kernels cannot run at all)."""
+    """The native ISA paths this CPU runs, best first (empty where none can; `generic` is not one of them)."""
     if missing() is not None:
         return []
-    have = native.cpu_flags()
-    return [name for name, (needs, _) in ISA_PATHS.items() if set(needs) <= have]
+    have, family = native.cpu_flags(), native.machine_family()
+    return [name for name, (needs, _) in ISA_PATHS.items()
+            if FAMILY[name] == family and set(needs) <= have]
+
+
+def _pinnable(path: str) -> bool:
+    return path in runnable_isas() or (path == "generic" and native.missing_prerequisite("generic") is None)
 
 
 def isa(wanted: str | None = None) -> str | None:
-    """The ISA path the kernels use here: `wanted` (else SPECFLEET_ISA) where set and runnable, else the best
-    the CPU runs; None where no path runs. An unknown path, or one the CPU cannot run, is a ValueError."""
+    """The ISA path the kernels use here: `wanted` (else SPECFLEET_ISA) where set and runnable (`generic`
+    wherever a C compiler is), else the best the CPU runs; None where no path runs. An unknown path, or
+    one the CPU cannot run, is a ValueError."""
     wanted = (wanted if wanted is not None else os.environ.get("SPECFLEET_ISA", "")).strip().lower()
     paths = runnable_isas()
     if wanted:
         if wanted not in ISA_PATHS:
             raise ValueError(f"ISA path {wanted!r} (SPECFLEET_ISA) is not a kernel path; choose one of {list(ISA_PATHS)}")
-        if wanted not in paths:
+        if not _pinnable(wanted):
             raise ValueError(f"ISA path {wanted!r} (SPECFLEET_ISA): this CPU cannot run it (it runs {paths or 'none'})")
         return wanted
     return paths[0] if paths else None
 
 
 def _load(path: str) -> ctypes.CDLL:
-    reason = missing()
+    reason = native.missing_prerequisite("generic") if path == "generic" else missing()
     if reason is not None:
         raise RuntimeError(reason)
-    if path not in runnable_isas():
+    if not _pinnable(path):
         raise RuntimeError(f"this CPU cannot run the {path} kernels")
-    lib = native.compile_library(SOURCES, FLAGS + list(ISA_PATHS[path][1]), HEADERS)
+    lib = native.compile_library(sources(path), flags(path), HEADERS)
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -149,7 +187,7 @@ def library(path: str | None = None) -> ctypes.CDLL | None:
         except ValueError as e:
             _reasons.setdefault("?", str(e))
             return None
-        lib = library(path or "avx2")  # no runnable path: _load says why
+        lib = library(path or "avx2")  # no runnable path: _load says why (missing())
         _default = lib
         return lib
     if path in _libs:

@@ -1,12 +1,19 @@
-/* Shared by specfleet's GGUF block-format kernels (q_legacy.c, q_kquants.c, driven by q_linear.c):
- * the int8 activation blocks, small AVX2 helpers, and the tiled loop every format runs.
+/* The arch-free contract of specfleet's native kernels: what every architecture's bodies (csrc/generic/,
+ * csrc/arch/x86/, csrc/arch/arm/) implement and what the drivers (q_linear.c, fused_linear.c,
+ * attention.c, layers.c, k_pack.c) call. Plain C11: no intrinsics, so any C compiler builds it.
  *
  * Activations are quantized per row to int8 before any product, one scale per 32 values (xq32, for
  * the 32-weight formats) or per 256 with the sums of every 16 quants (xq256, for the K formats):
  * x[i] ~= d * q[i], d = amax / 127, q = round-half-even(x[i] * 127 / amax); an xq256 holds its quants
- * in the K kernels' interleaved order (q_kquants.c). The inner products are
- * then integer: a weight's unsigned quant times the activation's signed quant by
- * _mm256_maddubs_epi16, widened by _mm256_madd_epi16.
+ * in the K kernels' interleaved order (arch/x86/quants_k.c describes it). The inner products are then
+ * integer: exact in every body, whatever instructions sum them.
+ *
+ * The numerical contract every body keeps (so every path gives the generic path's bits; tests/
+ * test_csrc_generic.py and tests/test_arm_qemu.py hold it): the integer sums of a block are grouped as
+ * eight 32-bit lanes (lane j: the 32-weight formats' weights 4j..4j+3; the K formats' sub-block j); each
+ * block adds lane by lane into eight fp32 accumulators with one fused multiply-add; a row ends with
+ * sf_hsum8's fixed tree. Row ops, attention and exp are lane-exact likewise (see generic/). Every build
+ * uses -ffp-contract=off, so only the fused multiply-adds written as such are fused.
  *
  * Batch invariance: an output y[m, n] is always computed by the same instruction sequence over the
  * same blocks in the same order, whatever M is, which rows share a tile and which thread runs it
@@ -14,106 +21,171 @@
  * verified row bit for bit what decoding it alone gives. */
 #ifndef SPECFLEET_Q_COMMON_H
 #define SPECFLEET_Q_COMMON_H
-#include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define TILE 8 /* activation rows multiplied by each unpacked weight row at once */
+
+/* The work split, shared by every product (q_linear.c, fused_linear.c). Which values they take changes
+ * speed only, never a result. */
+#define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
+#define SF_RCH 64         /* weight rows per scheduled chunk: contiguous enough for the hardware prefetcher */
+#define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */
+#define SF_QUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread: cheaper than a fork and join */
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGMLQuantizationType */
+ALWAYS_INLINE int sf_is_k(int64_t type) { return type == T_Q4_K || type == T_Q6_K; }
+
+/* ggml's block layouts, as the GGUF file stores them ("fp16" is IEEE half; values w[i]):
+ *   Q4_0  32 weights, 18 B: fp16 d | u8 qs[16]        w[i] = d * (q[i] - 8)
+ *   Q4_1  32 weights, 20 B: fp16 d | fp16 m | qs[16]  w[i] = d * q[i] + m
+ *   (in Q4_0, Q4_1 and Q5_0, qs[j] low nibble is q[j], high nibble is q[j + 16])
+ *   Q5_0  32 weights, 22 B: fp16 d | u8 qh[4] | qs[16] w[i] = d * ((q[i] | h[i] << 4) - 16),
+ *         h[i] = bit i of the little-endian 32-bit qh
+ *   Q8_0  32 weights, 34 B: fp16 d | i8 qs[32]        w[i] = d * qs[i]
+ *   Q4_K  256 weights, 144 B: fp16 d | fp16 dmin | u8 scales[12] | u8 qs[128]
+ *   Q6_K  256 weights, 210 B: u8 ql[128] | u8 qh[64] | i8 scales[16] | fp16 d
+ * The K formats' quants are kept in the kernels' interleaved order (k_pack.c, runtime/formats/
+ * kquant_order.py): weight e = 32u + 4t + b of a block (u, t in 0..7, b in 0..3) is byte 4u + b of
+ * 32-byte register t; Q4_K qs[32c + p]: low nibble register c, high nibble register c + 4; Q6_K
+ * ql[32c + p]: low 4 bits of registers c (low nibble) and c + 4 (high nibble), qh[32g + p] bits 2i..2i+1
+ * the top 2 bits of register 4g + i. */
+typedef struct { uint16_t d; uint8_t qs[16]; } b_q4_0;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } b_q4_1;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } b_q5_0;
+typedef struct { uint16_t d; int8_t qs[32]; } b_q8_0;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } b_q4_k;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } b_q6_k;
 
 typedef struct { _Alignas(32) int8_t q[32]; float d; int32_t sum; } xq32; /* 64 B: q never straddles a cache line */
 /* 384 B, q 64-byte aligned (activation buffers are too: a 512-bit load never straddles two cache lines);
  * bsum: sums of every 16 quants in element order; fsum[u]: the sum of sub-block u's 32 quants in fp32 */
 typedef struct { _Alignas(64) int8_t q[256]; float fsum[8]; int16_t bsum[16]; float d; } xq256;
 
-/* weight rows [n0, n1) against quantized activation rows [c0, c1) (each arb bytes from a), into
- * y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or y = y + v with accumulate
- * (a residual add fused into the product). The epilogue is the same whatever M is. */
+/* IEEE half -> float, exact (every half is a float); the bodies may use an instruction for it */
+static inline float sf_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31) bits = sign | 0x7f800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else { /* subnormal half: normalize */
+        int s = 0;
+        uint32_t mm = m;
+        while (!(mm & 1024)) { mm <<= 1; s++; }
+        bits = sign | ((uint32_t)(113 - s) << 23) | ((mm & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- The scalar definitions of the contract's floating-point steps (the generic bodies use them; a
+ * vector body computes each lane as these do) ---- */
+
+/* the fixed tree every body sums eight lanes with: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)) */
+static inline float sf_hsum8(const float *v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+/* an attention score's eight lanes: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) */
+static inline float sf_hsum8_pairs(const float *v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* float -> int32 as the vector conversions do it: round half to even, INT32_MIN where out of range or NaN */
+static inline int32_t sf_round_i32(float v) {
+    const float r = rintf(v);
+    return (r >= -2147483648.0f && r < 2147483648.0f) ? (int32_t)r : INT32_MIN;
+}
+static inline int8_t sf_sat8(int32_t v) { return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v); }
+
+/* exp(x): x clamped to [-87.3, 88.3], 2^n * p(r) with r = x - n ln 2 (|r| <= ln2 / 2) and p the degree-7
+ * Taylor-like polynomial of Cephes' expf (relative error about 2e-7); each step one rounding, the
+ * multiply-adds fused */
+static inline float sf_exp(float x) {
+    x = x > -87.3f ? x : -87.3f; /* NaN: the bound, as the vector max and min give it */
+    x = x < 88.3f ? x : 88.3f;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float e;
+    memcpy(&e, &bits, 4);
+    return p * e;
+}
+
+/* The column function of one format: weight rows [n0, n1) against quantized activation rows [c0, c1)
+ * (each arb bytes from a), into y[m * ldy + n]: v = dot (+ bias[n] when bias is not 0), then y = v, or
+ * y = y + v with accumulate (a residual add fused into the product). The epilogue is the same whatever
+ * M is. */
 typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,
                         int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,
                         const float *bias, int accumulate);
 
-cols_fn sfq_legacy_columns(int type);  /* q_legacy.c; 0 for another type */
-cols_fn sfq_kquant_columns(int type);  /* q_kquants.c; 0 for another type */
+/* ---- What each architecture's bodies provide (one definition each per library; build.py picks the
+ * files: csrc/generic/ everywhere, csrc/arch/<family>/ where that family's path is built) ---- */
+const char *sfq_isa_name(void);       /* the path's name, as runtime/backends/native/kernels.py calls it */
+cols_fn sfq_legacy_columns(int type); /* Q4_0, Q4_1, Q5_0, Q8_0; 0 for another type */
+cols_fn sfq_kquant_columns(int type); /* Q4_K, Q6_K (interleaved); 0 for another type */
 void sfq_quantize_row32(const float *x, int64_t K, xq32 *out);
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out);
+/* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps) */
+void sfq_rmsnorm_row(const float *x, int64_t K, const float *w, float eps, float *out);
+/* out = silu(g) * u = g / (1 + exp(-g)) * u */
+void sfq_silu_mul_row(const float *g, const float *u, int64_t K, float *out);
+/* out[d] = x[d] * cos[d] + rot[d] * sin[d], rot = (-x[D/2:], x[:D/2]): a product each, then the sum */
+void sfq_rope_head(const float *x, const float *c, const float *s, int64_t D, float *out);
+/* attention of m rows' G query heads over one KV head (attention.c says what each argument is) */
+void sfq_attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const float *k, const float *v,
+                      int64_t ldk, const int64_t *krow, const int64_t *L, int64_t D, float scale, float *sc,
+                      int64_t L8, float *qp, float *out);
 
-ALWAYS_INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
-
-ALWAYS_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* the column function of a format (the table the drivers dispatch on) */
+static inline cols_fn sfq_columns(int64_t type) {
+    return sf_is_k(type) ? sfq_kquant_columns((int)type) : sfq_legacy_columns((int)type);
 }
 
-/* The ISA path this library is built for (runtime/formats/qtensor.py builds one library per path, chosen by the
- * CPU's flags): "avx2" (maddubs + madd), "avxvnni" (256-bit VEX vpdpbusd) or "avx512vnni" (the K
- * formats in 512-bit registers, vpdpbusd; 256-bit EVEX vpdpbusd for the 32-weight formats).
- * Every path computes bit for bit what the AVX2 path computes: the integer sums are exact in each (no
- * int16 lane of the AVX2 path saturates, see q_kquants.c), they are grouped per 32-weight sub-block the
- * same way before any scale, and the floating-point work after them is the same instruction sequence. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SF_VNNI 1
-#define SF_VNNI512 1
-#define SF_ISA_NAME "avx512vnni"
-ALWAYS_INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(__AVXVNNI__)
-#define SF_VNNI 1
-#define SF_ISA_NAME "avxvnni"
-ALWAYS_INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-#define SF_ISA_NAME "avx2"
-#endif
+#define AMAX_G 16   /* query heads per KV head handled together */
+#define MAX_D 512   /* head sizes up to this */
+#define MAX_GROUP 8 /* rows of one request whose attention shares key loads */
 
-/* sum over groups of four u8 * i8 products, in 8 int32 lanes (dword j: bytes 4j..4j+3). AVX2's maddubs
- * sums pairs into int16 first: exact while a pair stays within int16, which every caller ensures. */
-ALWAYS_INLINE __m256i dot_u8i8(__m256i u, __m256i s) {
-#ifdef SF_VNNI
-    return dpbusd256(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
+/* One weight of a fused product */
+typedef struct {
+    int64_t type;
+    const uint8_t *W;
+    int64_t row_bytes;
+    int64_t N;
+    const float *bias; /* N floats, or 0 */
+} sfq_part;
 
-#ifdef SF_VNNI512
-/* Row pairs (DEFINE_COLUMNS_PAIRED): two weight rows' 256-bit registers side by side in one 512-bit
- * register, an activation's register in both halves, and each half's 8-lane accumulator summed as the
- * one-row kernels sum theirs. */
-ALWAYS_INLINE __m512i pair_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
-ALWAYS_INLINE __m512 pair_f(__m256 a, __m256 b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-ALWAYS_INLINE __m512i both_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)p)); }
-ALWAYS_INLINE __m512 both_f(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd((const double *)p))); }
-ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) {
-    for (int r = 0; r < R; r++) {
-        out0[r] = hsum8(_mm512_castps512_ps256(acc[r]));
-        out1[r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-    }
-}
-#endif
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
 
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
-/* Every product streams its weights from memory: each block asks for the lines PF_BYTES further on (past
- * a row's end, the next row's: rows follow each other), spread evenly over the blocks. At one to eight
- * activation rows (decode, verification) this read the 1.5B's matrices 10-20 % faster than the earlier
- * prefetch of whole rows a few rows ahead, whose bunched requests the hardware dropped; at more rows the
- * extra prefetches of lines already cached cost nothing measurable. Prefetches change no result. */
-ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
-    const char *p = (const char *)block + PF_BYTES;
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
+/* A step's key plan (runtime/step/plan.py): which cached keys each query row attends to, in order.
+ * Row i sees nkeys[i] keys. Its key j has the layout index (a request's token order: its context, then
+ * its new tokens) j when j < plen[i], else extras[xoff[i] + j - plen[i]] (a tree row's ancestors, a
+ * level-drafted row's visible keys); the layout index x is the cache row slots[base[i] + x]. */
+typedef struct {
+    const int64_t *slots, *base, *plen, *xoff, *nkeys, *extras;
+} sf_key_plan;
 
-#define ACC_INIT(R)                                             \
-    __m256 acc[TILE];                                              \
-    float cacc[TILE];                                              \
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.0f; } \
-    (void)cacc;
+/* drivers shared between files */
+int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx, int64_t M,
+                             int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate,
+                             int64_t num_threads);
+void specfleet_rope_kv(const float *qkv, int64_t T, int64_t ldqkv, int64_t H, int64_t KVH, int64_t D,
+                       const int64_t *pos, const float *cos_t, const float *sin_t, float *q_out, float *k_cache,
+                       float *v_cache, const int64_t *slots);
+int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                   int64_t ldk, const sf_key_plan *plan, float scale, float *out, int64_t num_threads);
 
 /* Output columns [n0, n1) for activation rows [c0, c1) of one format: FN is inlined with a constant
  * tile height, so the loops over a weight row's blocks carry no dispatch. */

@@ -1,18 +1,12 @@
-/* The 32-weight GGUF formats for specfleet's block-format kernels (see q_common.h): one weight row
+/* The 32-weight GGUF formats on x86-64 (AVX2, AVX-VNNI, AVX512-VNNI; see x86.h and ../../q_common.h): one weight row
  * against up to TILE int8 activation rows, and the activation quantizer for 32-value blocks.
  *
- * Block layouts (ggml's, read from the file as they are; "fp16" is IEEE half; values w[i]):
- *   Q4_0  32 weights, 18 B: fp16 d | u8 qs[16]        w[i] = d * (q[i] - 8)
- *   Q4_1  32 weights, 20 B: fp16 d | fp16 m | qs[16]  w[i] = d * q[i] + m
- *   (in Q4_0, Q4_1 and Q5_0, qs[j] low nibble is q[j], high nibble is q[j + 16])
- *   Q5_0  32 weights, 22 B: fp16 d | u8 qh[4] | qs[16] w[i] = d * ((q[i] | h[i] << 4) - 16),
- *         h[i] = bit i of the little-endian 32-bit qh
- *   Q8_0  32 weights, 34 B: fp16 d | i8 qs[32]        w[i] = d * qs[i]
+ * Block layouts: ../../q_common.h.
  * The products: nibbles (and Q5_0's fifth bit) unpacked to unsigned bytes, times the activation quants
  * by maddubs/madd; the -8 / -16 offsets come off through the activation block's quant sum, Q4_1's
  * m term is m * d_x * sum, Q8_0's signed quants move their sign onto the activation (sign_epi8).
  * Per block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator. */
-#include "q_common.h"
+#include "x86.h"
 
 /* 32 floats -> 32 int8 (round to nearest) with scale d = amax / 127; returns the quants' sum. */
 ALWAYS_INLINE int32_t quant32(const float *x, int8_t *q, float *d_out) {
@@ -51,10 +45,6 @@ void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
     for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
 }
 
-typedef struct { uint16_t d; uint8_t qs[16]; } b_q4_0;
-typedef struct { uint16_t d, m; uint8_t qs[16]; } b_q4_1;
-typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } b_q5_0;
-typedef struct { uint16_t d; int8_t qs[32]; } b_q8_0;
 
 /* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31); the bytes
  * go to both lanes, the high lane's dwords shift down by 4 (bits of the next byte are masked away) */
@@ -204,3 +194,6 @@ cols_fn sfq_legacy_columns(int type) {
     default: return 0;
     }
 }
+
+/* the ISA path this library was built for (x86.h) */
+const char *sfq_isa_name(void) { return SF_ISA_NAME; }

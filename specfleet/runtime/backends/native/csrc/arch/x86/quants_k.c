@@ -1,4 +1,4 @@
-/* The 256-weight K formats for specfleet's block-format kernels (see q_common.h): one weight row
+/* The 256-weight K formats on x86-64 (see x86.h and ../../q_common.h): one weight row
  * against up to TILE int8 activation rows, and the activation quantizer for 256-value blocks.
  *
  * ggml's block layouts, as the GGUF file stores them ("fp16" is IEEE half):
@@ -14,7 +14,7 @@
  *           q(l + 96) = ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4
  *         w = d * scales[e / 16] * (q - 32) for weight e of the block
  *
- * The kernels read both with their quants re-ordered at load (runtime/formats/qtensor.py `pack_k`; scales, mins
+ * The kernels read both with their quants re-ordered at load (k_pack.c, runtime/formats/qtensor.py `pack_k`; scales, mins
  * and d where they were, so a block keeps its size): the "interleaved" order. Weight e = 32u + 4t + b
  * of a block (u, t in 0..7, b in 0..3) goes to byte 4u + b of 32-byte register t. The activation
  * quants of a block are laid out the same way (sfq_quantize_row256). Then every int16 lane pair
@@ -38,7 +38,7 @@
  * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
  * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
  * int16 adds and 1 to 4 madds. */
-#include "q_common.h"
+#include "x86.h"
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
 #ifdef SF_VNNI512
@@ -109,8 +109,6 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
 #endif
 }
 
-typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } b_q4_k;
-typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } b_q6_k;
 
 /* The eight 6-bit scales (bytes 0..7 of the result) and mins (bytes 8..15) of a Q4_K block, from its
  * 12 packed bytes taken as three little-endian words u0, u1, u2 (byte-wise, in one SSE register):
@@ -454,52 +452,4 @@ cols_fn sfq_kquant_columns(int type) {
     case T_Q6_K: return cols_q6_k;
     default: return 0;
     }
-}
-
-/* The kernels' order from ggml's (see the top of this file) for nblocks blocks of Q4_K (type 12) or
- * Q6_K (14), src -> dst (not overlapping); runtime/formats/qtensor.py `pack_k` is the same in numpy. Returns 0,
- * or -1 for another type. */
-int specfleet_k_pack(int type, const uint8_t *src, uint8_t *dst, int64_t nblocks, int num_threads) {
-    if (type != T_Q4_K && type != T_Q6_K) return -1;
-    const int64_t size = type == T_Q4_K ? 144 : 210;
-#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (nblocks >= 4096)
-    for (int64_t i = 0; i < nblocks; i++) {
-        const uint8_t *s = src + i * size;
-        uint8_t *o = dst + i * size;
-        uint8_t q[256], v[8][32]; /* quants in element order; the registers */
-        memcpy(o, s, (size_t)size);
-        if (type == T_Q4_K) {
-            for (int c = 0; c < 4; c++)
-                for (int l = 0; l < 32; l++) {
-                    q[64 * c + l] = s[16 + 32 * c + l] & 15;
-                    q[64 * c + 32 + l] = s[16 + 32 * c + l] >> 4;
-                }
-        } else {
-            for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 32; l++) {
-                    const uint8_t *ql = s + 64 * h, hb = s[128 + 32 * h + l];
-                    q[128 * h + l] = (ql[l] & 15) | (hb & 3) << 4;
-                    q[128 * h + 32 + l] = (ql[l + 32] & 15) | (hb >> 2 & 3) << 4;
-                    q[128 * h + 64 + l] = (ql[l] >> 4) | (hb >> 4 & 3) << 4;
-                    q[128 * h + 96 + l] = (ql[l + 32] >> 4) | (hb >> 6 & 3) << 4;
-                }
-        }
-        for (int t = 0; t < 8; t++)
-            for (int u = 0; u < 8; u++)
-                for (int b = 0; b < 4; b++) v[t][4 * u + b] = q[32 * u + 4 * t + b];
-        if (type == T_Q4_K) {
-            for (int c = 0; c < 4; c++)
-                for (int p = 0; p < 32; p++) o[16 + 32 * c + p] = (uint8_t)(v[c][p] | v[c + 4][p] << 4);
-        } else {
-            for (int c = 0; c < 4; c++)
-                for (int p = 0; p < 32; p++) o[32 * c + p] = (uint8_t)((v[c][p] & 15) | (v[c + 4][p] & 15) << 4);
-            for (int g = 0; g < 2; g++)
-                for (int p = 0; p < 32; p++) {
-                    uint8_t hb = 0;
-                    for (int i = 0; i < 4; i++) hb |= (uint8_t)((v[4 * g + i][p] >> 4 & 3) << (2 * i));
-                    o[128 + 32 * g + p] = hb;
-                }
-        }
-    }
-    return 0;
 }

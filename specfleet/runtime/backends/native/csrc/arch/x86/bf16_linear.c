@@ -11,12 +11,11 @@
  * of weight rows it runs over the rows of x in chunks of up to 6, keeping NR x MR accumulators of 8
  * floats in registers (at most 12 + 2 weights + 1 activation = 15 of the 16 AVX2 registers); the
  * weight rows of a pair stay in L1/L2 between chunks. Sums are fp32 throughout. Written for specfleet;
- * compiled on first use by runtime/backends/native/build.py. */
-#include <immintrin.h>
-#include <stdint.h>
+ * compiled on first use by runtime/backends/native/build.py; the generic
+ * body (../../generic/bf16_linear.c) computes the same bits. */
 #include <omp.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "x86.h"
 
 ALWAYS_INLINE __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -27,13 +26,6 @@ ALWAYS_INLINE float bf16_to_f32(uint16_t v) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)v << 16;
     return c.f;
-}
-
-ALWAYS_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* nr weight rows x mr activation rows; nr and mr are constants at every call site, so the compiler

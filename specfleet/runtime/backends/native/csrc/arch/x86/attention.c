@@ -1,0 +1,197 @@
+/* Attention of one KV head's query heads on x86-64 (AVX2; the avx512vnni path two heads per 512-bit
+ * register with the AVX2 path's lanes): the body behind ../../attention.c's driver. */
+#include <stdlib.h>
+
+#include "x86.h"
+
+#ifndef VCHUNK
+#define VCHUNK 64 /* keys whose values the weighted sum takes at a time */
+#endif
+
+#ifdef SF_VNNI512
+/* o0[0 .. 16 nv) (and o1, the second head's, unless 0) += sum over keys j in [j0, j1) of p0[j] (p1[j]) times
+ * the values of cache row krow[j] (v: those values at this part of D), in key order; the sums start from 0 at
+ * j0 = 0 and from what o0/o1 hold after. nv (2 or 4 registers) is a constant at each call, so the loops unroll. */
+ALWAYS_INLINE void values_chunk512(const float *v, const int64_t *krow, int64_t ldk, int64_t j0, int64_t j1,
+                                   const float *p0, const float *p1, float *o0, float *o1, const int nv) {
+    __m512 x0[4], x1[4];
+    for (int u = 0; u < nv; u++) {
+        x0[u] = j0 ? _mm512_loadu_ps(o0 + 16 * u) : _mm512_setzero_ps();
+        x1[u] = j0 && o1 ? _mm512_loadu_ps(o1 + 16 * u) : _mm512_setzero_ps();
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const float *vr = v + krow[j] * ldk;
+        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+        for (int u = 0; u < nv; u++) {
+            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
+            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
+            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+        }
+    }
+    for (int u = 0; u < nv; u++) {
+        _mm512_storeu_ps(o0 + 16 * u, x0[u]);
+        if (o1) _mm512_storeu_ps(o1 + 16 * u, x1[u]);
+    }
+}
+#endif
+
+/* The G query heads (q[r * qs + a * D], a < G) of m rows r < m sharing one KV head, row r over the first L[r]
+ * keys of one list: key j is the cache row krow[j], read at k + krow[j] * ldk (values likewise).
+ * out[r * qs + a * D] = softmax(scale * q_a.k) weighted sum of v. Scores go 8 keys at a time (keys past a
+ * row's L read as zeros and are dropped), so a key's score never depends on L, nothing depends on where the
+ * keys sit in the cache, and nothing a row computes depends on the other rows: the rows only share the
+ * loads of each 8 keys (and of each chunk of values) while those sit in L1. A row computes the same bits
+ * alone or with others, whether its keys are a prefix of its request's rows or gathered from a tree.
+ * sc: m * G * L8 floats of scratch (L8 = the longest L rounded up to 8); qp (AVX512): m * (G + 1) * D
+ * floats, 64-byte aligned. */
+void sfq_attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const float *k, const float *v,
+                      int64_t ldk, const int64_t *krow, const int64_t *L, int64_t D, float scale, float *sc,
+                      int64_t L8, float *qp, float *out) {
+    static const float zero[MAX_D] = {0};
+#ifndef SF_VNNI512
+    (void)qp;
+#endif
+    int64_t lmax = 0;
+    for (int64_t r = 0; r < m; r++) lmax = L[r] > lmax ? L[r] : lmax;
+#ifdef SF_VNNI512
+    /* Query heads two at a time, head a in a 512-bit register's low half and a + 1 in its high half (an odd
+     * last head shares a register with itself), each key's 8 values broadcast into both halves: every half
+     * runs the AVX2 path's fused multiply-adds on the same lanes in the same order, 8 keys in 8 registers. */
+    const int64_t G2 = (G + 1) / 2 * 2;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t a = 0; a < G; a += 2) {
+            const float *q0 = q + r * qs + a * D, *q1 = q + r * qs + (a + 1 < G ? a + 1 : a) * D;
+            float *dst = qp + (r * G2 + a) * D;
+            for (int64_t d = 0; d < D; d += 8) {
+                memcpy(dst + 2 * d, q0 + d, 8 * sizeof(float));
+                memcpy(dst + 2 * d + 8, q1 + d, 8 * sizeof(float));
+            }
+        }
+#endif
+    for (int64_t j0 = 0; j0 < lmax; j0 += 8) {
+        const float *kall[8];
+        for (int u = 0; u < 8; u++) kall[u] = j0 + u < lmax ? k + krow[j0 + u] * ldk : zero;
+        for (int64_t r = 0; r < m; r++) {
+            if (j0 >= L[r]) continue;
+            const float *kr[8];
+            for (int u = 0; u < 8; u++) kr[u] = j0 + u < L[r] ? kall[u] : zero;
+            float *s = sc + r * G * L8;
+#ifdef SF_VNNI512
+            for (int64_t a = 0; a < G; a += 2) {
+                const float *qa = qp + (r * G2 + a) * D;
+                __m512 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m512 qv = _mm512_load_ps(qa + 2 * d);
+                    for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qv, both_f8(kr[u] + d), acc[u]);
+                }
+                __m256 half[8];
+                for (int u = 0; u < 8; u++) half[u] = lo8(acc[u]);
+                _mm256_storeu_ps(s + a * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+                if (a + 1 < G) {
+                    for (int u = 0; u < 8; u++) half[u] = hi8(acc[u]);
+                    _mm256_storeu_ps(s + (a + 1) * L8 + j0, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+                }
+            }
+#else
+            for (int64_t a = 0; a < G; a++) {
+                const float *qa = q + r * qs + a * D;
+                __m256 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qa + d);
+                    for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), acc[u]);
+                }
+                _mm256_storeu_ps(s + a * L8 + j0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+            }
+#endif
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t Lr = L[r], L8r = (Lr + 7) / 8 * 8;
+        for (int64_t a = 0; a < G; a++) {
+            float *s = sc + r * G * L8 + a * L8;
+            float mx = s[0];
+            for (int64_t j = 1; j < Lr; j++) mx = s[j] > mx ? s[j] : mx;
+            const __m256 mv = _mm256_set1_ps(mx);
+            __m256 sv = _mm256_setzero_ps();
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            int64_t j = 0;
+#ifdef SF_VNNI512
+            /* two 8-key chunks at a time while both hold keys; their exps are exp8's, added to sv one chunk
+             * after the other as below */
+            const __m512i lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (; j + 8 < Lr; j += 16) {
+                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+                e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)(Lr - j)), lane16), e);
+                _mm512_storeu_ps(s + j, e);
+                sv = _mm256_add_ps(sv, lo8(e));
+                sv = _mm256_add_ps(sv, hi8(e));
+            }
+#endif
+            for (; j < Lr; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(Lr - j)), lane));
+                e = _mm256_and_ps(e, live); /* keys past L weigh nothing */
+                _mm256_storeu_ps(s + j, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            const float inv = 1.0f / hsum8(sv);
+            for (int64_t j = 0; j < L8r; j++) s[j] *= inv;
+        }
+    }
+    /* out_a = sum_j p_a[j] v_j, keys in chunks of VCHUNK (whose values stay in L1 while every row, head and
+     * part of D passes over them), the sums carried in out from one chunk to the next: each output lane is
+     * the same chain of fused multiply-adds in key order as one pass over all keys would make. */
+    for (int64_t j0 = 0; j0 < lmax; j0 += VCHUNK) {
+        for (int64_t r = 0; r < m; r++) {
+            if (j0 >= L[r]) continue;
+            const int64_t j1 = j0 + VCHUNK < L[r] ? j0 + VCHUNK : L[r];
+            const float *sr = sc + r * G * L8;
+            float *o = out + r * qs;
+#ifdef SF_VNNI512
+            /* the AVX2 loop below with 16 lanes per register */
+            for (int64_t a = 0; a < G; a += 2) {
+                const int two = a + 1 < G;
+                const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
+                for (int64_t d = 0; d < D;) {
+                    float *o0 = o + a * D + d, *o1 = two ? o + (a + 1) * D + d : 0;
+                    if (D - d >= 64) { /* 64 values of D for both heads in 8 registers, else 32 in 4 */
+                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 4);
+                        d += 64;
+                    } else {
+                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 2);
+                        d += 32;
+                    }
+                }
+            }
+#else
+            /* 32 values of D at a time for two heads at a time (8 accumulators) */
+            for (int64_t a = 0; a < G; a += 2) {
+                const int two = a + 1 < G;
+                const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m256 x0[4], x1[4];
+                    for (int u = 0; u < 4; u++) {
+                        x0[u] = j0 ? _mm256_loadu_ps(o + a * D + d + 8 * u) : _mm256_setzero_ps();
+                        x1[u] = j0 && two ? _mm256_loadu_ps(o + (a + 1) * D + d + 8 * u) : _mm256_setzero_ps();
+                    }
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float *vr = v + krow[j] * ldk + d;
+                        const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+                        for (int u = 0; u < 4; u++) {
+                            const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
+                            x0[u] = _mm256_fmadd_ps(b0, vv, x0[u]);
+                            x1[u] = _mm256_fmadd_ps(b1, vv, x1[u]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) {
+                        _mm256_storeu_ps(o + a * D + d + 8 * u, x0[u]);
+                        if (two) _mm256_storeu_ps(o + (a + 1) * D + d + 8 * u, x1[u]);
+                    }
+                }
+            }
+#endif
+        }
+    }
+}
