@@ -164,7 +164,7 @@ def main() -> None:
     import torch
 
     from specfleet.bench.llamacpp import gguf_path
-    from specfleet.models.registry import resolve_model
+    from specfleet.registry import resolve_model
 
     results: dict[str, list] = {}
     extra: dict[str, dict] = {}

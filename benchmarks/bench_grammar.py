@@ -1,5 +1,5 @@
 """Structured output with speculation: plain constrained decoding against constrained decoding with the
-default speculation, without and with the grammar draft in front (drafting/grammar_draft.py).
+default speculation, without and with the grammar draft in front (drafting/forced_tokens.py).
 
 N chat requests, each asking for a JSON object of one of a set of schemas (a person, an order, a weather
 report, ...), greedy, one request at a time (batch 1), on one model loaded once. For every system and

@@ -19,30 +19,29 @@ from tqdm import tqdm
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError, ModelLoadError
-from specfleet.models.registry import lookup
+from specfleet.registry import lookup
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.loading.build import parse_device, parse_dtype
-from specfleet.runtime.loading.load import load_model
+from specfleet.runtime.loading import load_model
 from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.formats.quant import parse_quantization, quantize_model, resolve_quantization
 from specfleet.runtime.config import RuntimeConfig
 from specfleet.runtime.loading.tokenizer import per_thread
 from specfleet.sampling_params import SamplingParams
-from specfleet.drafting.grammar_draft import GrammarDraftProposer
+from specfleet.drafting.forced_tokens import ForcedTokensProposer
 from specfleet.runtime.sample.structured import compiler_for
 from specfleet.strategies.factory import SpecConfig, build_proposer
-from specfleet.strategies.grammar_front import grammar_front
+from specfleet.strategies.structured_front import structured_front
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # The default draft of the default model, per device. On the CPU, weightless drafts (d ~ 0) win: the 0.5B
 # draft costs about half a target step per token there and at best breaks even (0.93-0.99x). The fleet of
 # the suffix-tree draft and prompt lookup, trimmed per step to what verification costs on the machine, made
 # 1.20x / 1.11x / 1.13x plain decoding on the fleet preset's HumanEval, ShareGPT and HumanEval-t0.7 parts
-# against 1.16x / 1.11x / 1.12x for suffix alone (benchmarks/results/fleet-cpu-20261124T004215Z, two
-# rounds, and fleet-cpu-20261124T010317Z); 1.01x against 1.00x on ShareGPT-t0.7 (fleet-cpu-20261124T012355Z).
-# On CUDA the same fleet: on an H100 (eager) it made 1.82x against the 0.5B draft's 1.16x at batch 1
-# (gpu-h100-qwen-20261125T155952Z), and with CUDA graphs an H200 steps the 0.5B's shape in 2.87 ms against
-# the 1.5B's 4.77 (gpu-step-cuda-20261127T000810Z): d = 0.6, too dear for its 0.8 acceptance to pay.
+# against 1.16x / 1.11x / 1.12x for suffix alone, and 1.01x against 1.00x on ShareGPT-t0.7. On CUDA the same
+# fleet: on an H100 (eager) it made 1.82x against the 0.5B draft's 1.16x at batch 1, and with CUDA graphs an
+# H200 steps the 0.5B's shape in 2.87 ms against the 1.5B's 4.77: d = 0.6, too dear for its 0.8 acceptance
+# to pay. (The runs are in benchmarks/RESULTS.md: the fleet preset and the GPU step costs.)
 DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup)", "cuda": "fleet(suffix,prompt-lookup)"}
 
 
@@ -70,7 +69,7 @@ class LLM:
         None: no speculation). `LLM.from_model` wraps a model already loaded instead (`_loaded` is its way in).
 
         `quantization` applies to the target and every draft model (a draft may override it with
-        `[quant=...]`, see strategies/grammar.py); speculation is lossless against the target as loaded:
+        `[quant=...]`, see strategies/spec_language.py); speculation is lossless against the target as loaded:
         - "auto" (default): a GGUF model on the CPU runs as the file is ("gguf"), anything else dense;
         - "gguf": keep the GGUF file's block formats (Q4_K, Q6_K, ...), native kernels, fp32 activations
           (`dtype` is unused for such a model: its activations and dense tensors are fp32);
@@ -85,7 +84,7 @@ class LLM:
         KV of finished requests' full blocks and maps it into later requests that start with the same
         tokens (a chat's next turn, an agent's system prompt), for the target and every draft model.
         `grammar_draft` puts the grammar draft in front of the drafts for requests with
-        `structured_outputs` (strategies/grammar_front.py; `draft=None` turns speculation off altogether,
+        `structured_outputs` (strategies/structured_front.py; `draft=None` turns speculation off altogether,
         the grammar draft included). `runtime` sets how the target computes (runtime/config.py:
         the linear layers' routes, the fused native forward, the CUDA invariant kernels; default: the
         environment's and this machine's best); it never changes what is computed."""
@@ -121,7 +120,7 @@ class LLM:
                                   target_model=self.model)
         if grammar_draft and self.tokenizer is not None:
             tokenizer, vocab = self.tokenizer, self.model.config.vocab_size
-            proposer = grammar_front(proposer, GrammarDraftProposer(lambda: compiler_for(tokenizer, vocab)))
+            proposer = structured_front(proposer, ForcedTokensProposer(lambda: compiler_for(tokenizer, vocab)))
         config = EngineConfig(CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching),
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                               max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))

@@ -19,7 +19,7 @@ def real_model_path(name: str) -> Path | None:
     With SPECFLEET_REQUIRE_REAL=1 (set by .ci/run) a missing model fails instead of skipping.
     """
     from specfleet.errors import ModelLoadError
-    from specfleet.models import registry
+    from specfleet import registry
 
     try:
         return registry.resolve_model(name)
@@ -33,7 +33,7 @@ def optional_model_path(name: str) -> Path:
     """The assembled file of a real model that CI does not install (it installs SmolLM2 only), or a
     skip, even under SPECFLEET_REQUIRE_REAL=1."""
     from specfleet.errors import ModelLoadError
-    from specfleet.models import registry
+    from specfleet import registry
 
     try:
         return registry.resolve_model(name)

@@ -59,7 +59,7 @@ def smol():
 @pytest.fixture(scope="module")
 def other():
     """Qwen's tokenizer when a Qwen model is installed, else a byte-level BPE trained on TEXT."""
-    from specfleet.models import registry
+    from specfleet import registry
 
     for name in ("qwen-0.5b", "qwen-1.5b"):
         if registry.is_installed(name):

@@ -2,7 +2,7 @@
 import torch
 
 from specfleet.llm import DEFAULT_MODEL, default_draft
-from specfleet.strategies.grammar import parse
+from specfleet.strategies.spec_language import parse
 
 
 def test_default_draft_per_device():

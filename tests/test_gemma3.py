@@ -650,7 +650,7 @@ def test_real_gemma_drafts_for_qwen_losslessly():
     """Gemma-3-270M drafting through text for the installed Qwen target (GGUF weights as they are):
     greedy output equals the target's own, token for token; drafts are accepted; no KV is left behind."""
     from specfleet.llm import LLM
-    from specfleet.models import registry
+    from specfleet import registry
 
     optional_model_path("gemma-3-270m")
     target = next((n for n in ("qwen-0.5b", "qwen-1.5b") if registry.is_installed(n)), None)

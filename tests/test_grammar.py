@@ -1,4 +1,4 @@
-"""Structured output in the engine (runtime/sample/structured.py, drafting/grammar_draft.py, strategies/grammar_front.py).
+"""Structured output in the engine (runtime/sample/structured.py, drafting/forced_tokens.py, strategies/structured_front.py).
 
 - Greedy constrained decoding with speculation equals plain constrained decoding token for token on
   SmolLM2-135M (JSON schemas, a regex, a choice, a forced tool call's grammar), with the grammar draft in
@@ -22,12 +22,12 @@ import torch
 from specfleet.core.proposer import Feedback, leaves
 from specfleet.core.tree import DraftTree
 from specfleet.core.verify import verify_greedy
-from specfleet.drafting.grammar_draft import GrammarDraftProposer
+from specfleet.drafting.forced_tokens import ForcedTokensProposer
 from specfleet.errors import InvalidRequestError
 from specfleet.runtime.sample.structured import close_objects
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
 from specfleet.server.tools import forced_call_grammar, parse_tool_calls
-from specfleet.strategies.grammar_front import GrammarFront
+from specfleet.strategies.structured_front import GrammarFront
 from test_grammar_distribution import EOS, TinyTokenizer, allowed_first, allowed_second, compiler, regex
 
 PERSON = {"type": "object", "properties": {
@@ -91,7 +91,7 @@ def test_greedy_constrained_speculation_equals_plain(smollm2, draft):
     assert used.get("grammar", 0) > 0
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
     # every per-request grammar state went with its request
-    assert all(not leaf._states for leaf in leaves(spec.engine.proposer) if isinstance(leaf, GrammarDraftProposer))
+    assert all(not leaf._states for leaf in leaves(spec.engine.proposer) if isinstance(leaf, ForcedTokensProposer))
 
 
 @pytest.mark.real_model
@@ -184,7 +184,7 @@ def test_grammar_front_forces_cuts_extends_and_maps_feedback_back():
              # after `b` (d or e next: nothing forced): d -> d (allowed) and c (forbidden) -> e
              "cut": DraftTree([3, 3, 2, 4], [-1, 0, -1, 2], ["fixed"] * 4)}
     inner = FixedTrees(trees)
-    front = GrammarFront(GrammarDraftProposer(lambda: shared), inner)
+    front = GrammarFront(ForcedTokensProposer(lambda: shared), inner)
     assert front.num_speculative_tokens == 3 and front.name == "fixed" and front.children[1] is inner
     reqs = [Request("plain", [1], [], None), Request("forced", [1], [0], spec), Request("cut", [1], [1], spec)]
     out = front.propose(reqs)

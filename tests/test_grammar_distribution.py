@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
-from specfleet.drafting.grammar_draft import GrammarDraftProposer
+from specfleet.drafting.forced_tokens import ForcedTokensProposer
 from specfleet.engine.engine import Engine
 from specfleet.runtime.sample import structured as grammar_module
 from specfleet.runtime.sample.structured import GrammarCompiler
 from specfleet.runtime.sample.sampling import target_probs
 from specfleet.sampling_params import SamplingParams, StructuredOutputsParams
-from specfleet.strategies.grammar_front import GrammarFront
+from specfleet.strategies.structured_front import GrammarFront
 from test_distribution import ALPHA, MAX_TOKENS, PARAMS, VOCAB, make_proposer, one_thread, p_values, setup  # noqa: F401
 
 NUM_REQUESTS = 1200
@@ -113,7 +113,7 @@ def generate(target, proposer, prompt, params: dict, n: int, seed0: int):
 def make(kind: str, draft):
     if kind == "lookup+grammar":
         shared = compiler()
-        return GrammarFront(GrammarDraftProposer(lambda: shared), make_proposer("lookup", draft))
+        return GrammarFront(ForcedTokensProposer(lambda: shared), make_proposer("lookup", draft))
     return make_proposer(kind, draft)
 
 

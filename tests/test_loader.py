@@ -375,7 +375,7 @@ def test_unsupported_arch_in_gguf(tmp_path):
 
 @pytest.mark.real_model
 def test_real_smollm2_matches_transformers_gguf_loader(monkeypatch):
-    from specfleet.models import registry
+    from specfleet import registry
 
     required = os.environ.get("SPECFLEET_REQUIRE_REAL") == "1"
     if not registry.is_installed("smollm2-135m"):

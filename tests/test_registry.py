@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from specfleet.errors import ModelLoadError
-from specfleet.models import registry
-from specfleet.models.cli import add_models_parser, run_models
-from specfleet.models.registry import RegisteredModel
+from specfleet import registry
+from specfleet.cli.models import add_models_parser, run_models
+from specfleet.registry import RegisteredModel
 
 PARTS = [b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33, b"tail"]
 

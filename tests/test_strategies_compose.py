@@ -8,7 +8,7 @@ import specfleet.llm
 import specfleet.runtime.loading.load
 from specfleet.errors import InvalidRequestError
 from specfleet.core.proposer import describe
-from specfleet.strategies.grammar import parse
+from specfleet.strategies.spec_language import parse
 from specfleet.drafting.draft_model import DraftModelProposer
 from specfleet.strategies.factory import DEFAULT_HEAD_VOCAB, DEFAULT_P_MIN, ModelCache, SpecConfig, build, build_proposer, layer_cut
 from specfleet.strategies.length import LengthController

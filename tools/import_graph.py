@@ -18,7 +18,7 @@ Layers, highest first; a package may import only packages of lower layers:
     drafting                                   draft sources: models, n-grams, lookup, suffix, remote
     runtime                                    device code: models, kernels, KV memory, loading
                                                (inside it, runtime.model imports no backend: ROOM_RULES)
-    core, models                               shared types (tree, proposer protocol, verifier), the registry
+    core, registry                             shared types (tree, proposer protocol, verifier), the model registry
     config, outputs, extras, sampling_params   plain settings and results
     errors
 
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specfleet"
 LAYERS = [["cli"], ["cluster", "server", "distill"], ["bench"], ["llm"], ["engine"], ["strategies"], ["drafting"], ["runtime"],
-          ["core", "models"], ["config", "outputs", "extras", "sampling_params"], ["errors"]]
+          ["core", "registry"], ["config", "outputs", "extras", "sampling_params"], ["errors"]]
 RANK = {f"{PACKAGE}.{name}": len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer}
 # Rooms inside a layer that must not reach into others (docs/layout.md): the model is modules only and
 # computes through the routes runtime/backends/bind.py hands it, so it imports no backend, no loader,

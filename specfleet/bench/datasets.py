@@ -14,7 +14,7 @@ error that names the pip command (or `--install` runs it).
 | code-edit | - (the Python stdlib)      | a whole stdlib source file and an edit instruction; the answer is the edited file |
 | file:PATH | -                          | one prompt per non-empty line                                  |
 
-The workload sets (`specfleet bench workloads`, issue 43) carry only text that others wrote: code-edit
+The workload sets (`specfleet bench workloads`) carry only text that others wrote: code-edit
 prompts hold a whole real source file of the running interpreter's standard library (the instruction is
 a template of ours: rename a symbol the file defines, add type hints, add docstrings), sharegpt-multiturn
 the conversations as ShareGPT has them, and tool-loop BFCL's questions, its functions' documentation, its

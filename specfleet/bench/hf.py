@@ -23,7 +23,7 @@ PROMPT_LOOKUP_NAMES = {"prompt-lookup", "ngram", "lookup"}
 
 def hf_folder(name: str, dtype: torch.dtype) -> Path:
     """The HF-layout folder of a registered model or path (a GGUF file is converted once, cached)."""
-    from specfleet.models.registry import resolve_model
+    from specfleet.registry import resolve_model
     from specfleet.runtime.loading.checkpoint import converted_folder
 
     path = resolve_model(name)

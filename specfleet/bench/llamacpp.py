@@ -97,7 +97,7 @@ def install_hint() -> str:
 
 def gguf_path(model: str) -> Path:
     """The GGUF file behind a registered name or path; llama.cpp runs GGUF files only."""
-    from specfleet.models.registry import resolve_model
+    from specfleet.registry import resolve_model
     from specfleet.runtime.loading.checkpoint import is_gguf_file
 
     path = Path(resolve_model(model))

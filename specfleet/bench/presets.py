@@ -90,7 +90,7 @@ def _decode_checks(part: str, size: str) -> tuple[Check, ...]:
 
 _Q8 = ",quantization=int8"
 _DRAFTS3 = "qwen-0.5b,qwen-0.5b@12,prompt-lookup"
-# issue 4: every strategy against the same autoregressive baseline, batch 1 (the ablation in the style
+# every strategy against the same autoregressive baseline, batch 1 (the ablation in the style
 # of Minions' Figure 10 is the chain single draft -> +vote -> +adaptive -> +tree/staged rows)
 # the 0.5B voting with the weightless drafts only (no second model to run), with adaptive length
 _VOTE_FREE = "specfleet:vote(qwen-0.5b,prompt-lookup,ngram)+adaptive[max_length=8]"
@@ -122,7 +122,7 @@ _STRATEGIES_SHORT = (
     f"specfleet:select[policy=prompt-length]({_DRAFTS3})",
 )
 
-# issue 14: the GGUF file as it is (native block-format kernels), the same file dequantized to bf16, and
+# the GGUF file as it is (native block-format kernels), the same file dequantized to bf16, and
 # llama.cpp on the same file; the part's quantization "gguf" is the native system's
 _GGUF_SYSTEMS = ("specfleet:none", "specfleet:none,quantization=none", "llamacpp")
 
@@ -166,7 +166,7 @@ def _kernel_path() -> str | None:
         return None
 
 
-# issue 15: the default fleet (the CPU default draft of LLM()) against each single draft and plain decoding,
+# the default fleet (the CPU default draft of LLM()) against each single draft and plain decoding,
 # everything on the GGUF files as they are (native kernels), llama.cpp's plain decoding on the same file as
 # the outside baseline, and beside them the fleet that also holds the draft model and the n-gram model
 FLEET = "fleet(suffix,prompt-lookup)"  # = specfleet.llm.DEFAULT_DRAFT["cpu"] (tests/test_bench_metrics.py)
@@ -184,7 +184,7 @@ def _fleet_part(name: str, dataset: str, temperature: float) -> RunConfig:
                      batch_sizes=(1,), quantization="gguf", rounds=2, rowcheck_prompts=2)
 
 
-# issue 16: drafts from other model families (through text) beside the same-vocabulary ones, and SPIN's
+# drafts from other model families (through text) beside the same-vocabulary ones, and SPIN's
 # selector over all of them against its best member
 _CROSS_SELECT = "select(qwen-0.5b,smollm2-135m-instruct,gemma-3-270m,suffix,prompt-lookup)"
 _CROSS_SYSTEMS = ("specfleet:none", "specfleet:smollm2-135m-instruct", "specfleet:gemma-3-270m", "specfleet:qwen-0.5b",
@@ -215,7 +215,7 @@ def _fleet_checks(part: str, floor: float) -> tuple[Check, ...]:
 
 _ALL = ("specfleet:none", "specfleet:qwen-0.5b", "specfleet:prompt-lookup", "hf", "hf-assisted:qwen-0.5b")
 
-# issue 43: the workloads where users meet speculation, each on data that others wrote (bench/datasets.py):
+# the workloads where users meet speculation, each on data that others wrote (bench/datasets.py):
 # specfleet's plain decoding and its default speculation for the model (the CPU default draft, FLEET) on the same
 # prompts, beside llama-server's speculation in its own process with its defaults (`--spec-type ngram-mod`, and
 # `draft-simple` with the 0.5B GGUF as `-md`); the 1.5B GGUF as it is, greedy, batch 1, two rounds in alternating
@@ -258,12 +258,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                       systems=("specfleet:none", "specfleet:prompt-lookup", "hf", "hf-assisted:prompt-lookup"),
                       batch_sizes=(1, 2), max_tokens=8, dtype="float32"),),
            expected_duration="under a minute"),
-    Preset("decode", "issue 2: single-request decode tok/s, specfleet vs transformers.generate, 0.5B and 1.5B "
+    Preset("decode", "single-request decode tok/s, specfleet vs transformers.generate, 0.5B and 1.5B "
            "in bf16 (8 HumanEval prompts, 32 tokens each, EOS ignored), and 8 concurrent requests vs 1",
            (_decode_part("qwen-0.5b", QWEN_05B), _decode_part("qwen-1.5b", QWEN_15B)),
            _decode_checks("qwen-0.5b", "0.5B") + _decode_checks("qwen-1.5b", "1.5B"),
            expected_duration="about 10-12 minutes on 2 CPU cores"),
-    Preset("spec", "issue 3: 1.5B target + 0.5B draft, greedy, bf16, the first 20 HumanEval prompts, 64 new "
+    Preset("spec", "1.5B target + 0.5B draft, greedy, bf16, the first 20 HumanEval prompts, 64 new "
            "tokens, batch 1 (specfleet spec vs transformers assisted vs specfleet AR), then batch 4 and 16 "
            "throughput with and without speculation on the first 16 prompts",
            (RunConfig(name="batch1", systems=("specfleet:none", "specfleet:qwen-0.5b", "hf-assisted:qwen-0.5b"),
@@ -279,7 +279,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             Check("batch 16: speculation vs none (reported, not a target)", "batched", ("specfleet:qwen-0.5b", 16),
                   ("specfleet:none", 16), "throughput_tok_s", 0.0)),
            expected_duration="about 50-60 minutes on 2 CPU cores (batch 1: ~40 min, batches 4/16: ~15 min)"),
-    Preset("cpu", "issue 7: the embedded family on the CPU, greedy, bf16 - every system on 4 HumanEval prompts "
+    Preset("cpu", "the embedded family on the CPU, greedy, bf16 - every system on 4 HumanEval prompts "
            "(32 new tokens), then 4 ShareGPT first turns (24 new tokens) at batch 1 and 4",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=4, max_tokens=32, batch_sizes=(1,)),
             RunConfig(name="sharegpt", dataset="sharegpt", shuffle_seed=0, max_prompt_tokens=160,
@@ -303,7 +303,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             Check("int8 speculation vs transformers assisted bf16 (reported, not a target)", "humaneval",
                   ("specfleet:qwen-0.5b" + _Q8, 1), ("hf-assisted:qwen-0.5b", 1), "throughput_tok_s", 0.0)),
            expected_duration="about 10 minutes on 2 CPU cores"),
-    Preset("strategies", "issue 4: each single draft (0.5B depth sweep, prompt lookup, n-gram, staged), fixed "
+    Preset("strategies", "each single draft (0.5B depth sweep, prompt lookup, n-gram, staged), fixed "
            "lengths 1-8 vs adaptive, chain vs tree, Minions vote and its ablation, SPIN selection vs "
            "epsilon-greedy and prompt-length greedy; 1.5B target, greedy, batch 1, HumanEval then ShareGPT",
            (RunConfig(name="humaneval", systems=_STRATEGIES, num_prompts=4, max_tokens=64, batch_sizes=(1,)),
@@ -325,7 +325,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            expected_duration="about 30 minutes for HumanEval and 15 for ShareGPT (50 and 25 without the native "
                              "bf16 kernel) on 2 CPU cores (--parts humaneval for one); add --quantization int8 to run every specfleet system on "
                              "the int8 target"),
-    Preset("gguf", "issue 14: the GGUF files run as they are (native kernels, fp32 activations) against the same "
+    Preset("gguf", "the GGUF files run as they are (native kernels, fp32 activations) against the same "
            "file dequantized to bf16 and llama.cpp on it (a native llama-server in its own process where LLAMA_SERVER "
            "or PATH has one, else llama-cpp-python): 4 HumanEval prompts and 4 "
            "ShareGPT first turns, 32 greedy tokens, batch 1, for the 1.5B and the 0.5B; HumanEval parts add prefill "
@@ -336,7 +336,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            + _gguf_checks("humaneval-0.5b", "0.5B", 1.0, micro=True) + _gguf_checks("sharegpt-0.5b", "0.5B", 1.0),
            expected_duration="about 15-20 minutes on 2 CPU cores (--parts humaneval-1.5b for one part; "
                              "--rounds 2 to cancel drift)"),
-    Preset("fleet", "issue 15: the default fleet (the CPU default draft) against native plain decoding, each single "
+    Preset("fleet", "the default fleet (the CPU default draft) against native plain decoding, each single "
            "draft (0.5B native, 0.5B requantized to 4 bits, suffix, prompt lookup), the fleet that adds the 0.5B and "
            "the n-gram model, and llama.cpp on the same file: 10 HumanEval prompts and 10 ShareGPT first turns "
            "(chat template), 96 new tokens, greedy and temperature 0.7 / top-p 0.9, batch 1, two rounds in "
@@ -351,7 +351,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                     ("llamacpp", 1), "throughput_tok_s", 1.5),),
            expected_duration="about 2-2.5 hours on 2 CPU cores at full size (--parts humaneval and --rounds 1 for "
                              "a run of about 25 minutes)"),
-    Preset("workloads", "issue 43: where users meet speculation - code edits (a whole Python stdlib file and an "
+    Preset("workloads", "where users meet speculation - code edits (a whole Python stdlib file and an "
            "edit instruction, the edited file out, up to 512 tokens), multi-turn chat (a later ShareGPT turn with the "
            "earlier ones as context, 128 tokens), tool-call loops (BFCL multi-turn: calls and their results from "
            "BFCL's simulated APIs, then the next call, 64 tokens) and HumanEval fresh code (128 tokens); 4 prompts "

@@ -103,7 +103,7 @@ def check_hf_drafts(preset: Preset) -> None:
 
 def _check_hf_draft(spec: SystemSpec) -> None:
     from specfleet.core.model_ref import ModelRef
-    from specfleet.models.registry import resolve_model
+    from specfleet.registry import resolve_model
 
     try:
         resolve_model(ModelRef.parse(spec.draft).name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specfleet.errors import SpecfleetError
-from specfleet.strategies.grammar import MODEL_ALIASES
+from specfleet.strategies.spec_language import MODEL_ALIASES
 
 SHORTHANDS = {"ar": "specfleet:none", "specfleet": "specfleet:none", "transformers": "hf"}
 KINDS = ("specfleet", "hf", "hf-assisted", "llamacpp")

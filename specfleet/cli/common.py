@@ -11,7 +11,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="draft spec: a model name/path (NAME@N keeps N layers), 'prompt-lookup', 'ngram', "
                         "'none', or a composition such as 'vote(qwen-0.5b,prompt-lookup)+adaptive' "
-                        "(grammar in specfleet/strategies/grammar.py); 'default' = the default draft of the "
+                        "(grammar in specfleet/strategies/spec_language.py); 'default' = the default draft of the "
                         "embedded 1.5B on this device (CPU: fleet(suffix,prompt-lookup); CUDA: the embedded "
                         "0.5B), none for any other target")
     p.add_argument("--num-speculative-tokens", "--spec-len", "-k", dest="num_speculative_tokens", type=int, default=4,

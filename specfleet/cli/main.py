@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(g)
     g.set_defaults(func=run_generate)
 
-    from specfleet.models.cli import add_models_parser, run_models
+    from specfleet.cli.models import add_models_parser, run_models
 
     add_models_parser(sub)
     sub.choices["models"].set_defaults(func=run_models)

@@ -61,8 +61,8 @@ def run_draft_train(args) -> int:
     from specfleet.distill.head_data import extract, humaneval_eval_set
     from specfleet.distill.head_train import TrainConfig, train
     from specfleet.drafting.head import head_path, save_head, target_sha256
-    from specfleet.models.registry import resolve_model
-    from specfleet.runtime.loading.load import load_model
+    from specfleet.registry import resolve_model
+    from specfleet.runtime.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

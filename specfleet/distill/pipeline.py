@@ -31,7 +31,7 @@ DEFAULT_DATASETS = ("humaneval", "chitchat")
 
 def canonical_model(name: str) -> str:
     """A registered name for any alias, else the absolute path: what a resumed run must match."""
-    from specfleet.models.registry import lookup
+    from specfleet.registry import lookup
 
     try:
         return lookup(name).name

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from specfleet.core.model_ref import ModelRef
-from specfleet.models.registry import resolve_model
+from specfleet.registry import resolve_model
 from specfleet.runtime.loading.load import build_from_checkpoint
 from specfleet.runtime.loading.checkpoint import Checkpoint, converted_folder, load_checkpoint
 from specfleet.runtime.model.decoder import DecoderLM

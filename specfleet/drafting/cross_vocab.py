@@ -184,7 +184,7 @@ def load_tokenizer(name: str):
     None when the checkpoint has none."""
     from transformers import AutoTokenizer
 
-    from specfleet.models.registry import resolve_model
+    from specfleet.registry import resolve_model
     from specfleet.runtime.loading.checkpoint import is_gguf_file, tokenizer_folder
 
     path = resolve_model(ModelRef.parse(name).name)

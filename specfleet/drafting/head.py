@@ -237,7 +237,7 @@ class HeadCache:
 def target_sha256(path: str | Path) -> str:
     """The target file's sha256: the registry's for a registered, verified file, else computed (and
     remembered beside the head cache, keyed by path, size and mtime)."""
-    from specfleet.models.registry import MODELS, _has_valid_stamp, cache_root
+    from specfleet.registry import MODELS, _has_valid_stamp, cache_root
 
     path = Path(path).resolve()
     for m in MODELS.values():
@@ -260,7 +260,7 @@ def target_sha256(path: str | Path) -> str:
 
 def head_path(target_path: str | Path) -> Path:
     """Where the head trained for this target file is cached."""
-    from specfleet.models.registry import cache_root
+    from specfleet.registry import cache_root
 
     source = Path(target_path).resolve()
     st = source.stat()

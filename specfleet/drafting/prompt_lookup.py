@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from specfleet.core.proposer import Feedback, RequestView, register
+from specfleet.core.proposer import Feedback, RequestView
 from specfleet.core.tree import DraftTree
 
 
@@ -140,9 +140,3 @@ class PromptLookupProposer:
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
-
-
-@register("prompt-lookup")
-def _make_prompt_lookup(num_speculative_tokens: int = 4, num_branches: int = 1, **kw) -> PromptLookupProposer:
-    return PromptLookupProposer(PromptLookupConfig(num_speculative_tokens=num_speculative_tokens,
-                                                   num_branches=num_branches, **kw))

@@ -77,7 +77,7 @@ class DraftWorker:
             model.init_rotary(device)  # rotary tables stay fp32, as build_model makes them
             model = model.eval().requires_grad_(False)
         else:
-            from specfleet.runtime.loading.load import load_model
+            from specfleet.runtime.loading import load_model
 
             model, _ = load_model(spec.name, dtype, device, with_tokenizer=False)
         quantize_model(model, spec.quantization)

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from specfleet.errors import InvalidRequestError
-from specfleet.core.proposer import Feedback, register
+from specfleet.core.proposer import Feedback
 from specfleet.drafting.suffix_tree import Cursor, SuffixTrie
 from specfleet.core.tree import DraftTree
 
@@ -181,13 +181,3 @@ class SuffixProposer:
             self.global_trie.evict_to(self.config.global_nodes, keep=request_id)
             if self.global_trie.num_nodes > self.config.global_nodes:  # one output alone is over the cap
                 self.global_trie.remove(request_id)
-
-
-@register("suffix")
-def _make_suffix(**options) -> SuffixProposer:
-    try:
-        config = SuffixConfig(**options)
-    except TypeError:
-        fields = ", ".join(SuffixConfig.__dataclass_fields__)
-        raise InvalidRequestError(f"suffix: unknown option among {sorted(options)}; valid options: {fields}") from None
-    return SuffixProposer(config)

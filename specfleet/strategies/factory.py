@@ -1,4 +1,4 @@
-"""Building a proposer from a draft spec (see grammar.py) and its settings.
+"""Building a proposer from a draft spec (see spec_language.py) and its settings.
 
 `build_proposer(draft, spec, target_vocab_size, dtype, device)` is what specfleet.llm calls; `build`
 does the same with a caller-supplied model loader (tests hand in tiny models by name).
@@ -14,12 +14,11 @@ import torch
 from specfleet.core.model_ref import ModelRef
 from specfleet.runtime.sample.structured import compiler_for
 from specfleet.errors import InvalidRequestError
-from specfleet.drafting import prompt_lookup  # noqa: F401  (registers "prompt-lookup")
 from specfleet.core.proposer import leaves
-from specfleet.strategies.grammar import MODEL_ALIASES, Node, NodeKind, apply_options, leaf_names, parse
+from specfleet.strategies.spec_language import MODEL_ALIASES, Node, NodeKind, apply_options, leaf_names, parse
 from specfleet.drafting.cross_vocab import cross_vocab_draft
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.drafting.grammar_draft import GRAMMAR_ORIGIN, GrammarDraftConfig, GrammarDraftProposer
+from specfleet.drafting.forced_tokens import GRAMMAR_ORIGIN, GrammarDraftConfig, ForcedTokensProposer
 from specfleet.drafting.head import HeadDraftConfig, HeadProposer
 from specfleet.strategies.fleet import FleetConfig, FleetProposer
 from specfleet.strategies.length import LengthConfig, LengthController
@@ -180,7 +179,7 @@ class _Builder:
                 raise InvalidRequestError("the grammar draft needs the target's tokenizer")
             cfg = apply_options(GrammarDraftConfig(), opts, name, {"k": "max_tokens"})
             tokenizer, vocab = self.target_tokenizer, self.vocab
-            return GrammarDraftProposer(lambda: compiler_for(tokenizer, vocab), cfg, name=label)
+            return ForcedTokensProposer(lambda: compiler_for(tokenizer, vocab), cfg, name=label)
         if name == "ngram":
             cfg = apply_options(replace(spec.ngram, num_speculative_tokens=spec.num_speculative_tokens), opts, name,
                                 MODEL_ALIASES)
@@ -221,7 +220,8 @@ class _Builder:
 
     def _staged(self, node: Node) -> Proposer:
         inner = node.children[0]
-        if inner.kind != NodeKind.LEAF or inner.name in LOOKUP_NAMES or inner.name in ("ngram", HEAD_NAME, *registered_names()):
+        weightless = (*LOOKUP_NAMES, "ngram", "suffix", GRAMMAR_ORIGIN, HEAD_NAME, *registered_names())
+        if inner.kind != NodeKind.LEAF or inner.name in weightless:
             raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
                                       f"follow a model name, as in qwen-0.5b+ngram")
         # the stage's options set StagedConfig, except the tables' own settings (order, min_count, path, max_entries)

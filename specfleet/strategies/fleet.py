@@ -281,7 +281,7 @@ class FleetProposer:
         absence) whose known cost, spread over the tokens the request may still generate, exceeds a
         tenth of a plain step each: a forced re-measurement does not pay for that (a call the estimates
         choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
-        prompt prefill each, 10 % of the fleet's time (fleet-cpu-20261123T222014Z); with a long horizon
+        prompt prefill each, 10 % of the fleet's time (benchmarks/RESULTS.md, the fleet preset); with a long horizon
         ahead the re-measurement stays cheap and keeps an early, pessimistic estimate from sticking."""
         gap = self._gap(r, j)
         if not self.catch_up[j].tokens or gap <= self._far(j) or not self.steps.measured:

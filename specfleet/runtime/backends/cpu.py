@@ -14,9 +14,9 @@ choices are poor for the shapes speculation produces (benchmarks/results/kernels
 
 So on CPUs without native bf16 this module computes
 - bf16 weights with up to `native_rows` rows (32 by default): specfleet's own AVX2 kernel
-  (csrc/bf16_linear.c via runtime/backends/native/kernels.py), which reads each weight once, widens it in registers and
+  (csrc/arch/x86/bf16_linear.c via runtime/backends/native/kernels.py), which reads each weight once, widens it in registers and
   multiplies it by every row, so 5 rows cost about what one row of torch's kernel does and one row
-  costs less (benchmarks/results/kernels-cpu-20261122T033135Z: one decoder layer of the 1.5B, 1/2/5/8/16/32
+  costs less (benchmarks/RESULTS.md, the CPU kernels: one decoder layer of the 1.5B, 1/2/5/8/16/32
   rows cost 0.66/0.71/1.09/1.60/2.66/5.46x torch's one row, against torch's 1.96x at 2 rows,
   4.75/7.57/14.8/29.4x at 5/8/16/32 and the sliced route's 3.05/3.78/3.70/5.51x);
   where it cannot be built (see runtime/backends/native/kernels.py) the two routes below take over;

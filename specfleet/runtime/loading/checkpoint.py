@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specfleet.errors import ModelLoadError, UnsupportedModelError
-from specfleet.models.registry import cache_root
+from specfleet.registry import cache_root
 from specfleet.runtime.loading import gguf as gguf_loader
 from specfleet.runtime.model.config import ModelConfig
 

@@ -8,7 +8,7 @@ import torch
 
 from specfleet.core.model_ref import ModelRef
 from specfleet.errors import InvalidRequestError, ModelLoadError
-from specfleet.models.registry import resolve_model
+from specfleet.registry import resolve_model
 from specfleet.runtime.loading.build import build_model
 from specfleet.runtime.loading.checkpoint import is_gguf_file, load_checkpoint
 from specfleet.runtime.formats.quant import BLOCK_FORMATS, parse_quantization, quantize_model, resolve_quantization

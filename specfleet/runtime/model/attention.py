@@ -127,6 +127,9 @@ class AttentionBatch:
     # the step's key plan on the device (runtime/backends/cuda/kernels.DevicePlan, which attends over it),
     # set by the runner when the CUDA kernels attend
     plan: object | None = None
+    # the step's key plan on the host (runtime/step/plan.KeyPlan), built once per step by the runner when the
+    # bound backend reads one (the native layers, the CUDA kernels)
+    key_plan: object | None = None
 
     @property
     def query_lens(self) -> list[int]:

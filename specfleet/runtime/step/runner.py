@@ -19,6 +19,7 @@ from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
 from specfleet.runtime.kv.cache import KVCache
 from specfleet.runtime.model.decoder import DecoderLM
+from specfleet.runtime.step.plan import KeyPlan
 
 
 @dataclass
@@ -139,10 +140,10 @@ class ModelRunner:
                   np.asarray(logit_rows, dtype=np.int64)]
         batch = AttentionBatch(slot_mapping=None, seqs=seqs)
         plan = None
-        if self._cuda:  # the kernels read the step's key plan: it travels in the same copy
-            from specfleet.runtime.step.plan import KeyPlan
-
-            plan = KeyPlan.build(batch).arrays()
+        if self._cuda or self.model.fused_layers is not None:  # the bound backend reads the step's key plan
+            batch.key_plan = KeyPlan.build(batch)
+        if self._cuda:  # the kernels' copy of the key plan travels with the step's other arrays
+            plan = batch.key_plan.arrays()
             if self.model.runtime.cuda_graphs:  # a step shape that repeats: replay its captured graph
                 logits = self._step_graph(items, arrays, plan, batch)
                 if logits is not None:

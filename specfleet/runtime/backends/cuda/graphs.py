@@ -1,7 +1,7 @@
 """CUDA graphs of the step shapes that repeat: B requests with the same number n of new tokens each, causal
 (plain decoding, n = 1, and a draft model's chain drafting; verification of a k-token chain, n = k + 1),
 logits for every new row or for each request's last. On a GPU this runtime is launch-bound (a 1.5B step
-took 15-25 ms on an H200 whose memory reads its weights in 0.7 ms: RESULTS.md, issue 28), so replaying a
+took 15-25 ms on an H200 whose memory reads its weights in 0.7 ms; benchmarks/RESULTS.md), so replaying a
 captured step instead of launching each operation from Python is what lets the step approach memory speed.
 
 How. A step of such a shape is padded to the next of `BATCHES` requests: a padding request repeats request
@@ -16,7 +16,7 @@ CPU, tests/test_cuda_route.py runs the same padded path without capture).
 Capture happens at a shape's first step, on that step's own data: the forward is run twice to warm up
 (Triton compiles; the writes are the step's own, repeated), captured, then replayed. A step whose keys do
 not fit the shape's buffer, a tree, a sliding-window model, or a shape whose capture failed (logged once)
-runs eagerly. Measured on an H200 (gpu-step-cuda-20261126T145140Z): a decode step of the 1.5B's shape in 5.0
+runs eagerly. Measured on an H200 (benchmarks/RESULTS.md): a decode step of the 1.5B's shape in 5.0
 ms instead of 16.3, plain decoding 158 tok/s instead of 32 at batch 1, 1,090 instead of 497 at batch 8.
 """
 from __future__ import annotations

@@ -78,7 +78,7 @@ def compile_library(source: Path | list[Path], flags: list[str], headers: tuple[
         raise RuntimeError(missing)
     sources = [source] if isinstance(source, Path) else list(source)
     compiler = _compiler()
-    from specfleet.models.registry import cache_root
+    from specfleet.registry import cache_root
 
     digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
     for path in [*sources, *headers]:

@@ -98,7 +98,7 @@ def forward_native(model, lib, input_ids: torch.Tensor, positions: torch.Tensor,
     o = torch.empty((t, heads, d), dtype=torch.float32)
     gu = torch.empty((t, first.mlp.gate_up_proj.out_features), dtype=torch.float32)
     cos, sin = model.rotary.cos, model.rotary.sin
-    plan = KeyPlan.build(batch)  # every row over exactly the keys its decode step would see
+    plan = batch.key_plan if batch.key_plan is not None else KeyPlan.build(batch)  # each row: its decode step's keys
     if len(plan.slots) and not 0 <= int(plan.slots.min()) <= int(plan.slots.max()) < kv.k[0].shape[0]:
         raise IndexError(f"the key plan's cache rows must lie in [0, {kv.k[0].shape[0]})")
     rc = lib.specfleet_decode_layers(

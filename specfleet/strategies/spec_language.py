@@ -11,7 +11,7 @@ Grammar (whitespace is ignored; names are letters, digits and `_ . @ / ~ : -`):
 
 A NAME is a built-in draft (`prompt-lookup` or `lookup`; `ngram`, the backoff n-gram model; `suffix`,
 suffix-trie drafting over the request's own text and recent outputs; `grammar`, the tokens a request's
-structured-output grammar forces, `grammar[k=16]`, drafting/grammar_draft.py; `head`, the feature-conditioned
+structured-output grammar forces, `grammar[k=16]`, drafting/forced_tokens.py; `head`, the feature-conditioned
 draft head trained for the target by `specfleet draft train`, options HeadDraftConfig: k, min_prob, path), a
 registered proposer, or a model: a registered name (`qwen-0.5b`), `MODEL@N` (its first N layers) or a
 checkpoint path. A model whose tokenizer differs from the target's (`smollm2-135m-instruct` for a Qwen
@@ -87,7 +87,7 @@ class _Parser:
 
     def fail(self, msg: str) -> None:
         raise InvalidRequestError(f"in draft spec {self.text!r}: {msg} at position {self.pos}\n"
-                                  f"  {self.text}\n  {' ' * self.pos}^\n(see specfleet/strategies/grammar.py for the grammar)")
+                                  f"  {self.text}\n  {' ' * self.pos}^\n(see specfleet/strategies/spec_language.py for the grammar)")
 
     def peek(self) -> str:
         while self.pos < len(self.text) and self.text[self.pos].isspace():

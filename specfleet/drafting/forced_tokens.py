@@ -6,7 +6,7 @@ tokenizer would (a model may, rarely, spell it in other tokens; verification the
 As a draft spec leaf, `grammar` (options: `k`, the most tokens per draft, default 16) drafts only for
 requests with `structured_outputs`: `fleet(grammar,suffix,prompt-lookup)` lets the fleet weigh it
 like any weightless member. The offline API and the server put it in front of the configured drafts
-automatically (strategies/grammar_front.py), which also cuts from the other drafts' trees the tokens
+automatically (strategies/structured_front.py), which also cuts from the other drafts' trees the tokens
 the grammar forbids and continues their leaves with the text the grammar forces after them.
 
 State: one matcher per request, fed the request's committed tokens when it drafts (like prompt lookup,
@@ -40,7 +40,7 @@ class _State:
         self.num_prompt_tokens = num_prompt_tokens
 
 
-class GrammarDraftProposer:
+class ForcedTokensProposer:
     """Drafts the tokens a request's grammar forces (module docstring)."""
 
     def __init__(self, compiler: Callable[[], GrammarCompiler], config: GrammarDraftConfig | None = None,

@@ -1,7 +1,7 @@
 """The grammar draft in front of the configured drafts, for requests with a grammar.
 
 For a request with `structured_outputs`, every step:
-1. where the grammar forces the next tokens, those are the draft (drafting/grammar_draft.py): no model
+1. where the grammar forces the next tokens, those are the draft (drafting/forced_tokens.py): no model
    is called and the configured drafts are not asked for this request this step;
 2. else the configured drafts draft as usual; a point-mass tree then loses the nodes the grammar forbids
    (they could never be accepted) and each of its leaves is continued by the tokens the grammar forces
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from specfleet.core.proposer import Feedback, Proposer, RequestView
 from specfleet.core.tree import DraftTree
-from specfleet.drafting.grammar_draft import GrammarDraftProposer
+from specfleet.drafting.forced_tokens import ForcedTokensProposer
 
 
 class GrammarFront:
-    def __init__(self, grammar: GrammarDraftProposer, inner: Proposer):
+    def __init__(self, grammar: ForcedTokensProposer, inner: Proposer):
         self.grammar = grammar
         self.inner = inner
         self.children = [grammar, inner]
@@ -78,7 +78,7 @@ class GrammarFront:
         self.inner.release(request_id)
 
 
-def grammar_front(proposer: Proposer | None, grammar: GrammarDraftProposer) -> Proposer | None:
+def structured_front(proposer: Proposer | None, grammar: ForcedTokensProposer) -> Proposer | None:
     """`proposer` with the grammar draft in front (None stays None: no drafts means no speculation)."""
     if proposer is None or isinstance(proposer, GrammarFront):
         return proposer

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from specfleet.errors import ModelLoadError
-from specfleet.models import registry
+from specfleet import registry
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
