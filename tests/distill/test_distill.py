@@ -24,7 +24,7 @@ from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.model.config import ModelConfig
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
-from tests.engine.test_spec_greedy import make_engine
+from tiny_engines import make_engine
 from tiny_models import ours_from_hf, random_prompts, run_to_completion, tiny_hf_model
 
 VOCAB = 259  # the 256 byte tokens of a byte-level BPE and three specials

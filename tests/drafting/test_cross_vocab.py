@@ -29,7 +29,7 @@ from specfleet.strategies.factory import SpecConfig, build
 from specfleet.drafting.text_align import (REPLACEMENT, CommittedText, DraftTokens, TextCodec, continuation_text,
                                        same_vocabulary, target_continuation)
 from tests.engine.test_distribution import ALPHA, PARAMS, accept_every_draft, exact_joint, generate, one_thread, p_values, setup  # noqa: F401,E501
-from tests.engine.test_spec_greedy import make_engine
+from tiny_engines import make_engine
 from tiny_models import ours_from_hf, run_to_completion, tiny_hf_model
 
 TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n <  2:\n\t\treturn n\n"

@@ -9,7 +9,7 @@ from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.cli.ngram import run_ngram_args
 from specfleet.drafting.ngram_model import NgramModel
 from specfleet.drafting.staged import StagedConfig, StagedProposer
-from tests.engine.test_spec_greedy import make_engine, repetitive_prompts
+from tiny_engines import make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 A, B, C, D, X = 1, 2, 3, 4, 9

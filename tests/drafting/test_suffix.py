@@ -17,7 +17,7 @@ from specfleet.drafting.suffix_tree import Node, SuffixTrie
 from specfleet.strategies.vote import VoteProposer
 from tests.engine.test_distribution import (ALPHA, PARAMS, accept_every_draft, exact_joint, generate, one_thread,  # noqa: F401
                                p_values, setup)
-from tests.engine.test_spec_greedy import make_engine, repetitive_prompts
+from tiny_engines import make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 A, B, C, D, X = 1, 2, 3, 4, 9

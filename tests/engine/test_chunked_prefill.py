@@ -20,23 +20,12 @@ from specfleet.engine.scheduler import fair_shares
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.engine.result_pool import PipelineConfig
-from tests.engine.test_pipelined import engine_config, make_drafter
-from tests.engine.test_spec_greedy import proposers, repetitive_prompts
-from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+from tiny_engines import engine_config, make_drafter, proposers, repetitive_prompts
+from tiny_models import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 UNCHUNKED = dict(max_num_batched_tokens=1 << 14, max_num_prefills=64)
 CHUNKED = dict(max_num_batched_tokens=7, max_num_prefills=2)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(tiny_hf_model("qwen2"))
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return perturbed_copy(target, 0.15)
 
 
 def test_fair_shares_give_short_prompts_all_they_need_and_split_the_rest():

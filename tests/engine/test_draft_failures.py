@@ -11,8 +11,8 @@ from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.engine.result_pool import PipelineConfig
 from specfleet.sampling_params import SamplingParams
-from tests.engine.test_pipelined import engine_config, prompts_for
-from tiny_models import ours_from_hf, run_to_completion, tiny_hf_model
+from tiny_engines import engine_config, prompts_for
+from tiny_models import run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -39,11 +39,6 @@ class Flaky(PromptLookupProposer):
 
     def release(self, request_id):
         self._maybe_raise("release")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(tiny_hf_model("qwen2"))
 
 
 @pytest.fixture(scope="module")

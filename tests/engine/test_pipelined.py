@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.engine.pipelined import PipelinedEngine
 from specfleet.sampling_params import SamplingParams
@@ -14,48 +13,16 @@ from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, Pipe
                                      search_micro_batches)
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.core.tree import DraftTree
-from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+from tiny_engines import LENGTHS, SMALL, engine_config, make_drafter, prompts_for
+from tiny_models import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
-SMALL = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(tiny_hf_model("qwen2"))
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return perturbed_copy(target, 0.15)
-
-
-def engine_config(model, num_blocks=400, **sched) -> EngineConfig:
-    c = model.config
-    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4
-    return EngineConfig(CacheConfig(4, per_block * num_blocks), SchedulerConfig(**sched))
-
-
-def prompts_for(batch):
-    out = []  # every other prompt repeats a motif, so prompt lookup finds matches
-    for i, p in enumerate(random_prompts(LENGTHS[batch], seed=7)):
-        out.append((p[:4] * (len(p) // 4 + 1))[:len(p)] if i % 2 else p)
-    return out
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(target):
     return {b: [o.token_ids for o in run_to_completion(Engine(target, None, engine_config(target)), prompts_for(b),
                                                          GREEDY)] for b in LENGTHS}
-
-
-def make_drafter(kind, draft):
-    if kind == "draft-chain":
-        return DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=SMALL))
-    if kind == "draft-tree":
-        return DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8, kv_cache_bytes=SMALL))
-    return PromptLookupProposer(PromptLookupConfig(4))
 
 
 def assert_drafter_caches_empty(drafters):

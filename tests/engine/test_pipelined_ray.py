@@ -20,13 +20,10 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig
 from specfleet.engine.result_pool import PipelineConfig
 from specfleet.drafting.remote import RemoteDraftSpec, remote_drafters
-from tests.engine.test_pipelined import GREEDY, engine_config, prompts_for
-from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+from tiny_engines import engine_config, prompts_for
+from tiny_models import perturbed_copy, random_prompts, run_to_completion
 
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(tiny_hf_model("qwen2"))
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

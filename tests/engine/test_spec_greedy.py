@@ -3,55 +3,12 @@ import random
 
 import pytest
 
-from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
-from specfleet.engine.engine import Engine
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
-from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
-from tiny_models import ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
+from tiny_engines import LENGTHS, make_engine, proposers, repetitive_prompts
+from tiny_models import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(tiny_hf_model("qwen2"))
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return perturbed_copy(target, 0.15)
-
-
-def make_engine(model, proposer=None, num_blocks=400, **sched):
-    c = model.config
-    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4
-    return Engine(model, None, EngineConfig(CacheConfig(4, per_block * num_blocks), SchedulerConfig(**sched)), proposer)
-
-
-def proposers(draft):
-    small = 64 << 10
-    return {
-        "draft-chain": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small)),
-        "draft-tree": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8,
-                                                                                  kv_cache_bytes=small)),
-        "draft-cut-head": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
-                                                                                      head_vocab=60)),
-        "draft-chain-pmin": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
-                                                                                        p_min=0.5)),
-        "lookup-chain": lambda: PromptLookupProposer(PromptLookupConfig(4)),
-        "lookup-tree": lambda: PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
-    }
-
-
-def repetitive_prompts(lengths):
-    """Prompts that repeat themselves, so prompt lookup finds matches (and several branches)."""
-    out = []
-    for i, n in enumerate(random_prompts(lengths, seed=7)):
-        motif = n[:4] or [1]
-        out.append((motif * (len(n) // len(motif) + 1))[:len(n)] if i % 2 else n)
-    return out
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

@@ -17,7 +17,7 @@ from specfleet.core.tree import DraftTree
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from tests.engine.test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
-from tests.engine.test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, make_engine, repetitive_prompts
 from tests.strategies.test_in_engine import GREEDY, assert_all_free, build_strategy
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 

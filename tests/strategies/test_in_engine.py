@@ -5,7 +5,7 @@ import pytest
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build
 from specfleet.core.proposer import leaves
-from tests.engine.test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

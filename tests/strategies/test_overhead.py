@@ -13,7 +13,7 @@ import pytest
 
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.proposer import describe, total_overhead
-from tests.engine.test_spec_greedy import make_engine, repetitive_prompts
+from tiny_engines import make_engine, repetitive_prompts
 from tests.strategies.test_in_engine import build_strategy
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 

@@ -24,7 +24,7 @@ from specfleet.core.proposer import leaves
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.strategies.factory import SpecConfig, build, build_proposer
 from tests.runtime.loading.test_checkpoint import tiny_hf_model as tiny_vocab_model
-from tests.engine.test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, make_engine, repetitive_prompts
 from tests.strategies.test_in_engine import assert_all_free
 from tiny_models import run_to_completion, tiny_hf_model
 

@@ -12,7 +12,7 @@ from specfleet.llm import LLM
 from specfleet.runtime.formats.quant import Int8Linear, quantize_model, quantize_rows
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
-from tests.engine.test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -41,7 +41,7 @@ from specfleet.drafting.cross_vocab import CrossVocabProposer
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from tests.runtime.loading.test_checkpoint import tiny_vocab, write_tiny_shape, write_tiny_tokenizer
-from tests.engine.test_spec_greedy import make_engine
+from tiny_engines import make_engine
 from tiny_models import GEMMA3, ours_from_hf, perturbed_copy, random_prompts, run_to_completion, tiny_hf_model
 
 ATOL = 1e-4

@@ -14,7 +14,7 @@ from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.engine.engine import Engine
 from specfleet.sampling_params import SamplingParams
-from tests.engine.test_spec_greedy import LENGTHS, repetitive_prompts
+from tiny_engines import LENGTHS, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

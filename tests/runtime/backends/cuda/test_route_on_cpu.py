@@ -19,7 +19,7 @@ from cuda_route import route_cuda_on_cpu
 from specfleet.bench.rowcheck import check_engine_run
 from tests.runtime.backends.cuda.test_on_gpu import _engine, _proposer, graphs_against_eager
 from tests.engine.test_dispatch_counts import _step_counts
-from tests.engine.test_spec_greedy import LENGTHS, repetitive_prompts
+from tiny_engines import LENGTHS, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 from specfleet.sampling_params import SamplingParams
 

@@ -225,7 +225,7 @@ def native_draft():
             p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
     return quantized_model(noisy)
 def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(native_tiny):
-    from tests.engine.test_spec_greedy import make_engine
+    from tiny_engines import make_engine
 
     from specfleet.runtime.step.runner import ForwardItem
 
@@ -254,7 +254,7 @@ def test_native_model_takes_the_fused_path_and_agrees_with_the_module_forward(na
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculation_is_lossless_through_the_fused_path(native_tiny, native_draft, batch):
-    from tests.engine.test_spec_greedy import LENGTHS, make_engine, repetitive_prompts
+    from tiny_engines import LENGTHS, make_engine, repetitive_prompts
     from tiny_models import run_to_completion
 
     from specfleet.sampling_params import SamplingParams
@@ -275,7 +275,7 @@ def test_prompt_chunks_give_the_same_cache_however_they_are_split(native_tiny):
     """A prompt prefilled whole, or in chunks of 6 + 1 + 3 rows (a decode row among them), writes bit for bit
     the same KV cache and hidden states: every row attends over exactly its own keys, so chunking (the
     token budget, preemption and recompute) never changes what later steps read."""
-    from tests.engine.test_spec_greedy import make_engine
+    from tiny_engines import make_engine
 
     ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
     outs = []
