@@ -30,7 +30,7 @@ Bounded in time (`--minutes`) and count (`--max-requests`). The checks, each a l
     python benchmarks/soak.py --minutes 10            # the full form; writes benchmarks/results/soak-cpu-*.json/.md
     python benchmarks/soak.py --minutes 1 --no-write  # a smoke test
 
-Exits 1 when a check fails. tests/test_soak.py runs a short form (about 30 s of load) in CI.
+Exits 1 when a check fails. tests/tools/test_soak.py runs a short form (about 30 s of load) in CI.
 """
 from __future__ import annotations
 

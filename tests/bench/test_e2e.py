@@ -78,7 +78,7 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
     for system in (spec, "specfleet:prompt-lookup", "hf", assisted):
         assert rows[(system, 1)]["baseline_match_rate"] == 1.0, system
     # the per-row check ran beside the timings for every specfleet system (what it found on this dense fp32
-    # model is reported, not asserted: BLAS products are not batch invariant; tests/test_rowcheck.py holds
+    # model is reported, not asserted: BLAS products are not batch invariant; tests/bench/test_rowcheck.py holds
     # the native path to zero)
     for system in ("ar", spec, "specfleet:prompt-lookup"):
         assert rows[(system, 1)]["rows_checked"] > 0, system

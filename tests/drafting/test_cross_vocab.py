@@ -6,7 +6,7 @@
 2. Greedy speculative output equals plain greedy output (fp32) with tiny random models over two
    different tokenizers, batch 1 and 3, chain and tree, alone and composed; drafts are accepted.
 3. The draft KV follows the text without re-prefilling; nothing leaks under preemption and aborts.
-4. Sampled output follows the target distribution (the chi-square harness of test_distribution.py),
+4. Sampled output follows the target distribution (the chi-square harness of tests/engine/test_distribution.py),
    and the same statistic catches a lossy verifier with this proposer.
 5. Clear errors for a draft without a usable tokenizer.
 """

@@ -8,7 +8,7 @@ at batch 1 and 16, with 2 and with 4 layers. Pinned so that a regression fails C
 - operations per layer of a speculative step at batch 16 within 3.5x a plain step's. This is the torch
   module path of dense CPU models, where each verification row attends in its own call, as its decode
   step does, which is what keeps it bit for bit there. The CUDA route (one batch-invariant attention call
-  per layer for every row) is pinned by tests/test_cuda_route.py: there a speculative step costs about a
+  per layer for every row) is pinned by tests/runtime/backends/cuda/test_route_on_cpu.py: there a speculative step costs about a
   plain step.
 """
 import collections

@@ -64,7 +64,7 @@ def test_any_number_of_micro_batches_and_two_drafters_keep_greedy_output(target,
 
 
 def test_each_drafter_hears_the_engines_clock(target, draft, plain_outputs):
-    """As in the serial engine (tests/test_fleet.py), every drafter's composition gets the engine's measured
+    """As in the serial engine (tests/strategies/test_fleet.py), every drafter's composition gets the engine's measured
     step before each drafting after its first (core/proposer.observe_step): its own drafting seconds, the
     target's verify seconds since, the batch it drafts for; it never times gaps itself."""
     from specfleet.core.proposer import StepTiming
@@ -190,7 +190,7 @@ def test_pool_keeps_its_bound_and_delivers_messages_in_order():
 
 
 def test_a_dead_drafter_thread_fails_the_step(target):
-    """A proposer's exception only costs its requests their drafts (test_draft_failures.py); a drafter
+    """A proposer's exception only costs its requests their drafts (tests/engine/test_draft_failures.py); a drafter
     thread that dies all the same (a BaseException) fails the step instead of leaving it waiting."""
     class Fatal(BaseException):
         pass

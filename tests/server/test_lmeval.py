@@ -77,7 +77,7 @@ def offline_env(tmp_path_factory):
 def launched():
     # --mixed-step-factor none: a prompt is never split by a measured (timing-dependent) row cap, so its
     # logits are computed in the same shape as offline below (on this quantized model chunking moves
-    # them by about 1e-2; see test_server_logprobs.py)
+    # them by about 1e-2; see tests/server/test_logprobs.py)
     srv = launch_server("--kv-cache-mb", str(KV_MB), "--mixed-step-factor", "none", "--draft", DRAFT, model=MODEL)
     yield srv
     if srv.proc.poll() is None:

@@ -1,5 +1,5 @@
 """Sampled outputs of the staged and vote proposers follow the target's distribution (the chi-square
-harness of test_distribution.py: exact joint of the first three tokens, p > 0.001)."""
+harness of tests/engine/test_distribution.py: exact joint of the first three tokens, p > 0.001)."""
 import copy
 
 import pytest

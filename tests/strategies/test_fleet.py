@@ -349,7 +349,7 @@ def test_bad_fleet_specs_are_clear_errors(models, spec, message):
         build_strategy(spec, models[1])
 
 
-# -- sampled output follows the target (the chi-square harness of test_distribution.py) -------------
+# -- sampled output follows the target (the chi-square harness of tests/engine/test_distribution.py) -------------
 @pytest.mark.parametrize("setting,seed0", [("t1", 11_000_000), ("t0.7-k3", 12_000_000)])
 def test_fleet_sampled_output_matches_target(setup, setting, seed0):  # noqa: F811
     hf, target, draft, prompt = setup

@@ -8,7 +8,7 @@
   never accepted; the matcher holds only committed tokens afterwards.
 - The grammar front cuts forbidden nodes from point-mass trees, continues leaves with forced tokens and
   hands the configured draft feedback on its own tree.
-(The sampled case: tests/test_grammar_distribution.py.)
+(The sampled case: tests/runtime/sample/test_structured_distribution.py.)
 """
 from __future__ import annotations
 

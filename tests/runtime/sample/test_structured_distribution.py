@@ -1,7 +1,7 @@
 """Constrained speculative sampling follows the *masked* target distribution (the chi-square harness of
-test_distribution.py: the exact joint of the first three tokens, p > 0.001).
+tests/engine/test_distribution.py: the exact joint of the first three tokens, p > 0.001).
 
-The tiny vocabulary-8 target of test_distribution.py, with a grammar over its tokens (spelled `a`..`g`,
+The tiny vocabulary-8 target of tests/engine/test_distribution.py, with a grammar over its tokens (spelled `a`..`g`,
 token 7 the end): a first token of 5, a second that depends on the first (forced to `c` after `a`), a
 third that depends on both. The exact joint masks the reference model's logits by the same rules before
 `target_probs`. Drafts that know nothing of the grammar (a sampled draft-model chain, a best-first tree,

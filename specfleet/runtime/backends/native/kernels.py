@@ -8,7 +8,7 @@ ctypes, which releases the GIL for each call, so drafter threads overlap it.
 
 ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2`. The CPU's flags pick the best one it
 runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a slower one. Each path is its own build (the macros of
-csrc/q_common.h pick the instructions), every path gives the AVX2 path's bits (tests/test_isa_paths.py),
+csrc/q_common.h pick the instructions), every path gives the AVX2 path's bits (tests/runtime/backends/native/test_isa_paths.py),
 so the choice changes speed only. Per-path flags rather than -march=native: the same path builds the same
 code on every machine with those flags, so its bits are too, and a test can build and compare each path
 the CPU runs.

@@ -2,7 +2,7 @@
 
 Contract: every path the CPU can run computes bit for bit what the AVX2 path computes, for every format,
 every row count (each row-tile tail) and through the fused entry point with its input transforms. So the
-path changes speed only, and the batch invariance that keeps verification lossless (tests/test_qkernels.py)
+path changes speed only, and the batch invariance that keeps verification lossless (tests/runtime/backends/native/test_qkernels.py)
 carries over to each. Paths the CPU lacks are skipped with the reason; the control shows the comparison
 can fail."""
 import numpy as np
