@@ -1,4 +1,4 @@
-"""benchmarks/bench_replay.py: the greedy-output replay that compares drafting policies without the target."""
+"""benchmarks/drafts/replay.py: the greedy-output replay that compares drafting policies without the target."""
 import importlib.util
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 from specfleet.core.tree import DraftTree
 
-spec = importlib.util.spec_from_file_location("bench_replay", Path(__file__).parents[2] / "benchmarks" / "bench_replay.py")
+spec = importlib.util.spec_from_file_location("bench_replay", Path(__file__).parents[2] / "benchmarks" / "drafts" / "replay.py")
 bench_replay = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_replay)
 

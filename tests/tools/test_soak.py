@@ -1,9 +1,9 @@
-"""The soak test's short form (benchmarks/soak.py, issue 31): the real SmolLM2 server on loopback, 6
+"""The soak test's short form (tools/soak.py, issue 31): the real SmolLM2 server on loopback, 6
 clients for 25 s with streams, disconnects, slow readers, abandoned requests, multi-turn conversations
 and canaries, and a draft source that raises on 5 % of its calls. Passes when the server's RSS is flat
 after warm-up, no KV block is held at the end, the engine never died, every response is complete or a
 clear error, the requests hit by draft failures completed by plain decoding, and every canary answer is
-the same. The 10-minute form is run by hand (`python benchmarks/soak.py --minutes 10`)."""
+the same. The 10-minute form is run by hand (`python tools/soak.py --minutes 10`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import real_model_path
 
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
 
 
 def load_soak():

@@ -25,7 +25,7 @@ description (OpenAPI, JSON Schema Store, a tool's `parameters`) often carries su
   overlapping patternProperties, bounds beyond its number ranges), which are a 400 otherwise.
 
 Every rewrite is checked against `jsonschema` on instances (tests/runtime/sample/test_json_schema.py), and on the
-official JSON-Schema-Test-Suite by benchmarks/bench_schema_coverage.py.
+official JSON-Schema-Test-Suite by benchmarks/peers/schema_coverage.py.
 
 docs/compatibility.md has the table, keyword by keyword.
 """

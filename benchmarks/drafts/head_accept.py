@@ -1,6 +1,6 @@
 """Acceptance of the draft head in the engine (not a timing: it holds on a shared machine).
 
-    PYTHONPATH=. python benchmarks/bench_head_accept.py --target qwen-1.5b --prompts 10 --max-tokens 64 \\
+    PYTHONPATH=. python benchmarks/drafts/head_accept.py --target qwen-1.5b --prompts 10 --max-tokens 64 \\
         --draft 'head' --draft 'fleet(head,suffix,prompt-lookup)'
 
 Runs the first HumanEval prompts (raw, as the fleet preset does) greedily with plain decoding and with

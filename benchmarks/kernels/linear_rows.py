@@ -9,7 +9,7 @@ project's CPU routes ("specfleet", runtime/backends/cpu.py: the native kernel up
 the sliced fp32 upcast) and the routes without the native kernel ("sliced"); fp32 runs through torch and
 the project's W @ x^T route.
 
-    .venv/bin/python benchmarks/bench_kernels.py            # about a minute on 2 CPU cores
+    .venv/bin/python benchmarks/kernels/linear_rows.py            # about a minute on 2 CPU cores
 """
 from __future__ import annotations
 

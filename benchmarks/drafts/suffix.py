@@ -5,7 +5,7 @@ prompt the systems run in a rotating order, so drift on a shared machine falls o
 per system: mean accepted length, tok/s (new tokens over the generate call's wall time, prefill
 included) and microseconds per propose call.
 
-    python benchmarks/bench_suffix.py [--prompts 5] [--tokens 64] [--threads 1] [--drafts suffix,prompt-lookup]
+    python benchmarks/drafts/suffix.py [--prompts 5] [--tokens 64] [--threads 1] [--drafts suffix,prompt-lookup]
 """
 from __future__ import annotations
 

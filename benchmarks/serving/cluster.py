@@ -10,7 +10,7 @@ tokens per target pass; from the client: time to first token of first turns and 
 the wall time. Arms (`--arm POLICY [SMG FLAGS]`, default cache_aware and round_robin) run in turn for
 `--rounds` rounds.
 
-    flock /tmp/specfleet-bench.lock python benchmarks/bench_cluster.py --conversations 12 --turns 4
+    flock /tmp/specfleet-bench.lock python benchmarks/serving/cluster.py --conversations 12 --turns 4
 
 Writes benchmarks/results/cluster-cpu-<time>/results.json and report.md.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from specfleet.bench.datasets import DATASETS, data_file, iter_json_array
-from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 from specfleet.cluster.launcher import Cluster, ClusterConfig
 
 COUNTERS = {
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     convs = conversations(args.conversations, args.turns, args.max_chars)
     meta = run_metadata("cluster", dtype="gguf (model's own)")
-    out_dir = RESULTS_DIR / f"cluster-cpu-{meta['timestamp_utc']}"
+    out_dir = result_path(meta)
     arms = []
     for rnd in range(args.rounds):
         for k, policy in enumerate(args.arm or ["cache_aware", "round_robin"]):

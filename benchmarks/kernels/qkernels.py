@@ -11,11 +11,11 @@ and the best repeat counts, since the machine may be shared. On a shared machine
 OMP_WAIT_POLICY=passive as well: with libgomp's default spinning, a waiting OpenMP thread takes the
 core the working one needs, and every 2-thread kernel here (torch's too) ran 3-10x slower.
 
-    .venv/bin/python benchmarks/bench_qkernels.py            # about a minute on 2 CPU cores
-    .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
-    .venv/bin/python benchmarks/bench_qkernels.py --threads 1 --clock thread   # one core's CPU time
-    .venv/bin/python benchmarks/bench_qkernels.py --formats Q4_K Q6_K --isa avx2 avx512vnni --no-bf16
-    .venv/bin/python benchmarks/bench_qkernels.py --gguf ~/.cache/specfleet/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    .venv/bin/python benchmarks/kernels/qkernels.py            # about a minute on 2 CPU cores
+    .venv/bin/python benchmarks/kernels/qkernels.py --formats Q4_K Q6_K --rows 1 3 9 --head
+    .venv/bin/python benchmarks/kernels/qkernels.py --threads 1 --clock thread   # one core's CPU time
+    .venv/bin/python benchmarks/kernels/qkernels.py --formats Q4_K Q6_K --isa avx2 avx512vnni --no-bf16
+    .venv/bin/python benchmarks/kernels/qkernels.py --gguf ~/.cache/specfleet/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
 `--gguf FILE` times every matrix of a real file instead (its own mix of formats, the output head
 included, the embedding left out): the linear layers' share of one decode step, and of verifying k+1

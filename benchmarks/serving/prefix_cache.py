@@ -9,7 +9,7 @@ must be identical, and the report gives each turn's time to first token, the pro
 served (usage.prompt_tokens_details.cached_tokens), and the ratio of a later turn's first-token time to
 the first turn's.
 
-    python benchmarks/bench_prefix_cache.py --model qwen-1.5b --context 2000 --turns 3 --max-tokens 64
+    python benchmarks/serving/prefix_cache.py --model qwen-1.5b --context 2000 --turns 3 --max-tokens 64
 
 Writes benchmarks/results/prefix-cache-cpu-<time>/results.json and report.md; exits 1 if the answers differ.
 """
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_servers import free_port, start  # one way to start a server and wait for it (this folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
+from servers import free_port, start  # one way to start a server and wait for it (benchmarks/peers/servers.py)
 
 QUESTIONS = ["What does this module do? Answer in two sentences.",
              "Write a short usage example of its main function.",
@@ -89,7 +90,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+    from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
     first = None
     runs = {}
@@ -125,7 +126,7 @@ def main() -> int:
         {args.context} tokens of `textwrap.py`; every turn resends the whole conversation.
 
         """) + md_table(rows, list(rows[0])) + f"\n\nAnswers identical with the cache on and off: {all(same)}\n"
-    out_dir = RESULTS_DIR / f"prefix-cache-cpu-{meta['timestamp_utc']}"
+    out_dir = result_path(meta)
     json_path, _ = write_folder(out_dir, meta, payload, body)
     print(f"wrote {json_path}")
     return 0 if all(same) else 1

@@ -20,7 +20,7 @@ prefill is left out (speculation does not change it). A draft model in a spec ru
 replayed as a ceiling: every step all of its drafts propose and only the longest path the output
 confirms is verified, at c(that length), which no policy over those drafts can beat.
 
-    python benchmarks/bench_replay.py [--parts humaneval sharegpt] [--prompts 10] [--tokens 96]
+    python benchmarks/drafts/replay.py [--parts humaneval sharegpt] [--prompts 10] [--tokens 96]
         [--drafts suffix prompt-lookup "fleet(suffix,prompt-lookup,ngram)"] [--c 1,1.29,1.48,...]
         [--oracle suffix,prompt-lookup,ngram]
 

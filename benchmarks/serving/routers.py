@@ -6,7 +6,7 @@ request through it succeeds, its resident memory (with its children), and the me
 `--requests` one-token completions through it against the same requests sent to the replica directly
 (measured before and after the routers, so drift shows).
 
-    flock /tmp/specfleet-bench.lock python benchmarks/bench_routers.py \
+    flock /tmp/specfleet-bench.lock python benchmarks/serving/routers.py \
         --router "smg 1.13.0=.venv/bin/smg launch" --router "sglang-router 0.3.2=/path/to/venv/bin/smg launch"
 
 Each router command gets `--host 127.0.0.1 --port P --worker-urls URL --policy cache_aware
@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_servers import free_port, start  # one way to start a server and wait for it (this folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
+from servers import free_port, start  # one way to start a server and wait for it (benchmarks/peers/servers.py)
 
-from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
 
 def latency_ms(url: str, model: str, n: int) -> float:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     body = (f"One replica of {args.model} (suffix draft, 1 thread); {args.requests} one-token completions, median "
             f"latency direct: {direct_before:.1f} ms before the routers, {direct_after:.1f} ms after.\n\n"
             + md_table(rows, ["router", "ready_s", "rss_mb", "routed_median_ms"]) + "\n")
-    json_path, _ = write_folder(RESULTS_DIR / f"routers-cpu-{meta['timestamp_utc']}", meta,
+    json_path, _ = write_folder(result_path(meta), meta,
                                 {"args": vars(args), "direct_before_ms": direct_before,
                                  "direct_after_ms": direct_after, "routers": rows}, body)
     print(body)

@@ -14,7 +14,7 @@ preemption (a KV cache too small for the batch, so requests are recomputed):
     preempt   8 at once in a KV cache that holds the longest request and a draft tree, 4-token blocks (requests outgrow
               it every few tokens: preemption, recompute, scattered block tables)
 
-    python benchmarks/check_rows.py --model qwen-1.5b --drafts suffix prompt-lookup ngram \
+    python tools/check_rows.py --model qwen-1.5b --drafts suffix prompt-lookup ngram \
         "fleet(suffix,prompt-lookup)" qwen-0.5b "qwen-0.5b[width=2,nodes=16]" --prompts 8 --tokens 64
 
 Writes benchmarks/results/rowcheck-cpu-<time>.json and .md; exits 1 if any row differs or any output

@@ -1,6 +1,6 @@
 """A/B of two checkouts of specfleet on the CPU: plain decoding and a draft, batch 1, alternating rounds.
 
-    python benchmarks/bench_ab_trees.py --old 16baaf4 [--new HEAD] [--rounds 6] [--draft "fleet(suffix,prompt-lookup)"]
+    python benchmarks/compare.py --old 16baaf4 [--new HEAD] [--rounds 6] [--draft "fleet(suffix,prompt-lookup)"]
 
 Each ref is checked out into a temporary git worktree (a path is used as it is); every measurement runs in
 its own process with PYTHONPATH set to that tree, rounds alternate which tree goes first. A measurement is

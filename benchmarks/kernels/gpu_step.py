@@ -16,7 +16,7 @@ eagerly) and `cublas` (SPECFLEET_CUDA_KERNELS=0: cuBLAS and SDPA, which are not 
 for what invariance costs).
 Every time is the median of `--repeats` runs, each fenced by torch.cuda.synchronize().
 
-    python benchmarks/bench_gpu_step.py --shape qwen-1.5b qwen-0.5b
+    python benchmarks/kernels/gpu_step.py --shape qwen-1.5b qwen-0.5b
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ On a shared machine compare the best rounds too (the least disturbed ones) and t
 per-round ratios. A specfleet step is one `ModelRunner.execute` of one new token after `--context` cached tokens (the
 engine's own path: batch building, forward, final norm, head logits), plus the argmax.
 
-    OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/bench_decode_step.py --model qwen-1.5b \\
+    OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/peers/decode_step.py --model qwen-1.5b \\
         --base-src /tmp/base --rounds 5
     ... --breakdown   # also where a fused step's time goes (products, attention, the rest)
 """

@@ -27,8 +27,8 @@ Bounded in time (`--minutes`) and count (`--max-requests`). The checks, each a l
 - the raising proposer's requests were served by plain decoding: draft failures happened (/metrics),
   every response whose `spec.draft_failures` > 0 is complete, and all canary answers are equal.
 
-    python benchmarks/soak.py --minutes 10            # the full form; writes benchmarks/results/soak-cpu-*.json/.md
-    python benchmarks/soak.py --minutes 1 --no-write  # a smoke test
+    python tools/soak.py --minutes 10            # the full form; writes benchmarks/results/soak-cpu-*.json/.md
+    python tools/soak.py --minutes 1 --no-write  # a smoke test
 
 Exits 1 when a check fails. tests/tools/test_soak.py runs a short form (about 30 s of load) in CI.
 """

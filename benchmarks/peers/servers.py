@@ -16,7 +16,7 @@ llama-server system are printed side by side. Systems:
     llama-server         llama-server (plain decoding)
     llama-server-ngram   llama-server --spec-type ngram-mod (llama.cpp's own weightless speculation)
 
-    python benchmarks/bench_servers.py --llama-server /path/to/llama-server --prompts 16 --concurrency 1 8
+    python benchmarks/peers/servers.py --llama-server /path/to/llama-server --prompts 16 --concurrency 1 8
 
 `--llama-server` is a native build (`cmake -DGGML_NATIVE=ON`, see ../shared/PERFORMANCE.md). Writes
 benchmarks/results/servers-cpu-<time>/results.json and report.md.
@@ -138,7 +138,7 @@ def main() -> int:
 
     from specfleet.bench.datasets import iter_prompts, select
     from specfleet.bench.llamacpp import gguf_path
-    from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+    from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
     gguf = gguf_path(args.model)
     source, _ = iter_prompts(args.dataset)
@@ -198,7 +198,7 @@ def main() -> int:
             + f"\n\nOutputs equal to {args.systems[0]}'s (of {args.prompts}, concurrency {args.concurrency[0]}): "
             + ", ".join(f"{s} {n}" for s, n in same.items()) + "\n\nCommands:\n\n"
             + "\n".join(f"- {s}: `{runs[s][0]['command']}`" for s in args.systems) + "\n")
-    json_path, _ = write_folder(RESULTS_DIR / f"servers-cpu-{meta['timestamp_utc']}", meta, payload, body)
+    json_path, _ = write_folder(result_path(meta), meta, payload, body)
     print(f"wrote {json_path}")
     return 0
 

@@ -3,7 +3,7 @@ embedded 1.5B (d=1536, 12/2 heads of 128, MLP 8960, vocab 151,936), bf16: micros
 row counts of decode (1), verification (5, 17, 8x5) and prompt chunks (512), and whether each row equals
 the same row computed alone (the property the kernels exist for). Needs a CUDA GPU.
 
-    python benchmarks/bench_cuda_kernels.py [--out benchmarks/results]
+    python benchmarks/kernels/cuda_kernels.py [--out FOLDER]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from specfleet.runtime.backends.cuda import kernels as cuda_kernels  # noqa: E402
 
 SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536),
@@ -37,7 +37,7 @@ def _time(fn, reps=50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="folder (default: benchmarks/results/cuda-kernels-cuda-<UTC stamp>)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -58,16 +58,17 @@ def main() -> None:
             print(rows[-1], flush=True)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
             "command": " ".join(sys.argv), "rows": rows}
-    out = Path(args.out) / f"cuda-kernels-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(info, indent=1))
-    lines = [f"# CUDA kernels vs cuBLAS, {info['device']}, torch {info['torch']}, bf16", "",
-             f"`{info['command']}`", "", "| op | rows | ours µs | cuBLAS µs | ours: row = row alone | cuBLAS: row = row alone |",
+    from specfleet.bench.report import result_path, run_metadata, write_folder
+
+    meta = run_metadata("cuda-kernels", "cuda", "bfloat16")
+    out = Path(args.out) if args.out else result_path(meta)
+    lines = [f"CUDA kernels vs cuBLAS, {info['device']}, torch {info['torch']}, bf16", "",
+             "| op | rows | ours µs | cuBLAS µs | ours: row = row alone | cuBLAS: row = row alone |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['rows']} | {r['triton_us']} | {r['cublas_us']} | {r['triton_rows_equal_alone']} | "
               f"{r['cublas_rows_equal_alone']} |" for r in rows]
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print(out)
+    json_path, _ = write_folder(out, meta, info, "\n".join(lines))
+    print(json_path)
 
 
 if __name__ == "__main__":

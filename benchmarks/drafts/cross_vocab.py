@@ -7,7 +7,7 @@ so drift on a shared machine falls on each alike. Prints per system: acceptance 
 length, tok/s (new tokens over the generate call's wall time, prefill included), and whether every
 output equals plain greedy; writes benchmarks/results/cross_vocab-cpu-<time>.json and .md.
 
-    python benchmarks/bench_cross_vocab.py [--target qwen-0.5b] [--drafts "SPEC;SPEC"]
+    python benchmarks/drafts/cross_vocab.py [--target qwen-0.5b] [--drafts "SPEC;SPEC"]
                                            [--prompts 4] [--tokens 40] [--threads 2]
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ Figures, per system:
 - `c(k)`, k = 1..8 (specfleet): the forward over k+1 new tokens with every row's logits after 128 cached
   tokens, in one-token forwards at the same context (bench/gguf_micro.py `verify_costs`).
 
-    .venv/bin/python benchmarks/bench_native_peer.py --llama-bench /path/to/build/bin/llama-bench \\
+    .venv/bin/python benchmarks/peers/native_peer.py --llama-bench /path/to/build/bin/llama-bench \\
         --model qwen-1.5b --rounds 3
 """
 from __future__ import annotations

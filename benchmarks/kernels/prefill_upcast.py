@@ -1,7 +1,7 @@
 """Prefill (time to first token) of the bf16 target with and without the sliced fp32 upcast of CPU
 batches (runtime/backends/cpu.py, `SPECFLEET_CPU_UPCAST_ROWS`), side by side in one process.
 
-    .venv/bin/python benchmarks/bench_prefill.py            # about a minute on 2 CPU cores
+    .venv/bin/python benchmarks/kernels/prefill_upcast.py            # about a minute on 2 CPU cores
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 Full run (the embedded family, bf16; on 2 CPU cores expect roughly 30-60 minutes):
 
-    .venv/bin/python benchmarks/bench_pipeline.py --batch-sizes 8 16 --max-tokens 64
+    .venv/bin/python benchmarks/serving/pipeline.py --batch-sizes 8 16 --max-tokens 64
 
 Smoke run (a few seconds once the model is cached):
 
-    .venv/bin/python benchmarks/bench_pipeline.py --target smollm2-135m-instruct \
+    .venv/bin/python benchmarks/serving/pipeline.py --target smollm2-135m-instruct \
         --draft smollm2-135m-instruct@10 --batch-sizes 2 --max-tokens 8
 
 "Target idle" is the time the target waits for drafts: in plain mode every drafting call (the

@@ -6,7 +6,7 @@ group's schema of one draft (default draft2020-12, `optional/` included), dedupl
 part of this repository; give its path (a checkout, or a bare git directory such as `fetch` makes):
 
     git clone https://github.com/json-schema-org/JSON-Schema-Test-Suite /tmp/JSON-Schema-Test-Suite
-    flock /tmp/specfleet-bench.lock python benchmarks/bench_schema_coverage.py --suite /tmp/JSON-Schema-Test-Suite \
+    flock /tmp/specfleet-bench.lock python benchmarks/peers/schema_coverage.py --suite /tmp/JSON-Schema-Test-Suite \
         --model qwen-0.5b --llama-server /path/to/llama-server --sample 100 --max-tokens 60
 
 0. Soundness, in process: each test group's schema as specfleet plans it by default, and every instance
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PROMPT = ("Write one JSON value that is valid against this JSON Schema, and nothing else.\n"
           "JSON Schema: {schema}")
@@ -254,7 +254,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from specfleet.bench.llamacpp import gguf_path
-    from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+    from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
     suite = Suite(args.suite)
     schemas = load_schemas(suite, args.draft)
@@ -263,7 +263,7 @@ def main() -> int:
     k = max(1, len(schemas) // args.sample) if args.sample else 0
     sample = schemas[::k][:args.sample] if k else []
     meta = run_metadata("schema-coverage", "cpu", "gguf as stored")
-    out_dir = RESULTS_DIR / f"schema-coverage-cpu-{meta['timestamp_utc']}"
+    out_dir = result_path(meta)
     out_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer  # noqa: F401 - the chat template comes from specfleet's loader
     from specfleet.runtime.loading.checkpoint import tokenizer_folder

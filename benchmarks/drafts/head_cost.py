@@ -1,6 +1,6 @@
 """d for the draft head: one drafted token's cost in target decode steps, measured back to back.
 
-    PYTHONPATH=. python benchmarks/bench_head_cost.py --target qwen-1.5b --context 300 [--head FILE]
+    PYTHONPATH=. python benchmarks/drafts/head_cost.py --target qwen-1.5b --context 300 [--head FILE]
 
 Alternates a plain target decode step (one token after `context` cached ones, native path, logits of
 the full vocabulary) with one head draft step as HeadProposer runs it (embedding lookup, the head's

@@ -1,7 +1,7 @@
 """Long prompts (issue 18): short requests and a running stream while a 4,000-token prompt is prefilled,
 and prefill throughput from 512 to 8k prompt tokens, on SmolLM2-135M in fp32 with a prompt-lookup draft.
 
-    .venv/bin/python benchmarks/bench_long_prompt.py          # about 5 minutes on 2 free CPU cores
+    .venv/bin/python benchmarks/serving/long_prompt.py          # about 5 minutes on 2 free CPU cores
 
 (a) A stream decodes; a long prompt arrives; short requests arrive one after another during its
     prefill. Reports each short request's time to first token against the same prompt's on an idle

@@ -9,8 +9,8 @@ schema (`jsonschema` when installed, else the grammar engine's own check: the ou
 accepted and the grammar is complete), and the speculative systems' outputs equal plain decoding's token
 for token. A warm-up request per system (not timed) builds the grammar engine's tokenizer view first.
 
-    python benchmarks/bench_grammar.py --model qwen-1.5b --requests 50 --max-tokens 256
-    python benchmarks/bench_grammar.py --model smollm2-135m-instruct --requests 4 --max-tokens 96   # smoke
+    python benchmarks/drafts/structured_output.py --model qwen-1.5b --requests 50 --max-tokens 256
+    python benchmarks/drafts/structured_output.py --model smollm2-135m-instruct --requests 4 --max-tokens 96   # smoke
 
 Writes benchmarks/results/grammar-cpu-<time>.json and .md; exits 1 if an output is invalid for its
 schema or differs from plain decoding.
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 STR = {"type": "string", "maxLength": 40}
 SCHEMAS = {

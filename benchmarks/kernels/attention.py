@@ -1,6 +1,6 @@
 """The native attention (csrc/q_fused.c `specfleet_attend`) per ISA path, at the embedded 1.5B's shape.
 
-    python benchmarks/bench_attention.py [--isa avx2 avx512vnni] [--lengths 128 512 2048] [--rows 1 5] [--threads 1 2]
+    python benchmarks/kernels/attention.py [--isa avx2 avx512vnni] [--lengths 128 512 2048] [--rows 1 5] [--threads 1 2]
 
 One call is what one decoder layer's attention costs in a step: `rows` query rows of one request (1: a
 decode step; 5: a k=4 chain verification), row i seeing the context's L keys plus the new rows up to

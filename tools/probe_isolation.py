@@ -1,6 +1,6 @@
 """Issue 44's probe: can one client's requests slow another's stream, or grow the server for good?
 
-    flock /tmp/specfleet-bench.lock .venv/bin/python benchmarks/probe_isolation.py --port 18400   # ~3 min
+    flock /tmp/specfleet-bench.lock .venv/bin/python tools/probe_isolation.py --port 18400   # ~3 min
 
 Starts `specfleet serve smollm2-135m-instruct` on 127.0.0.1 (loopback only), lets a steady streaming
 request decode alone (its longest and 99th-percentile inter-token gaps: the idle values), then runs it
@@ -192,7 +192,7 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=4400, help="the long prompt of the TTFT phase (0: skip)")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds the attack phase may take in all")
     args = ap.parse_args()
-    from specfleet.bench.report import RESULTS_DIR, md_table, run_metadata, write_folder
+    from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
     base = f"http://127.0.0.1:{args.port}"
     log = Path(f"/tmp/probe_isolation-{args.port}.log")
@@ -275,7 +275,7 @@ def main() -> int:
                  f"{lr.get('seconds', 0):.2f} s to its one token): "
                  f"{', '.join(f'{x:.3f}' for x in prefill['short_ttft_behind_long_s']) or 'none measured'} s.")
     meta = run_metadata("isolation", dtype="float32")
-    out_dir = RESULTS_DIR / f"isolation-cpu-{meta['timestamp_utc']}"
+    out_dir = result_path(meta)
     json_path, _ = write_folder(out_dir, meta, payload, body)
     print(body)
     print(f"\nwrote {json_path}")

@@ -6,7 +6,7 @@ prompt the systems run in a rotating order, so drift on a shared machine falls o
 per system: mean accepted length, tok/s (new tokens over the generate call's wall time, prefill
 included) and whether every output equals plain greedy; then what the fleet measured and chose.
 
-    python benchmarks/bench_fleet.py [--prompts 4] [--tokens 48] [--threads 1]
+    python benchmarks/drafts/fleet.py [--prompts 4] [--tokens 48] [--threads 1]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a draft costs and brings, per variant, on the embedded 1.5B target: d, acceptance and speed-up.
 
-    python benchmarks/bench_draft_cost.py                                   # the default variants, 2 rounds
-    python benchmarks/bench_draft_cost.py --variants "qwen-0.5b;qwen-0.5b[quant=q4_0,p_min=0.4]" --rounds 3
+    python benchmarks/drafts/draft_cost.py                                   # the default variants, 2 rounds
+    python benchmarks/drafts/draft_cost.py --variants "qwen-0.5b;qwen-0.5b[quant=q4_0,p_min=0.4]" --rounds 3
 
 Every variant (a draft spec, `none` = plain decoding) runs greedy on the same HumanEval prompts in each
 round, in an order that alternates from round to round; each round takes its own prompts (round r the

@@ -1,13 +1,13 @@
 """OpenMP waiting for specfleet's native runtime, idle and beside a co-running process (issue 29, item 5).
 
-Each setting runs `bench_native_peer.py --child` (decode tg64, prefill pp128, c(k) of the native model) in
+Each setting runs `benchmarks/peers/native_peer.py --child` (decode tg64, prefill pp128, c(k) of the native model) in
 its own process with only that variable changed: libgomp's default (spin 300,000 rounds, then sleep),
 `OMP_WAIT_POLICY=passive` (sleep at once) and `GOMP_SPINCOUNT=10000` (a short spin: specfleet's default,
 set in specfleet/__init__.py). Each runs idle and
 then beside a busy Python loop (another process wanting one of the two cores, as on a shared machine),
 in alternating order over rounds; llama-bench's tg64 beside the same co-runner is the peer's figure.
 
-    .venv/bin/python benchmarks/bench_threads.py --llama-bench <build>/bin/llama-bench --rounds 2
+    .venv/bin/python benchmarks/kernels/threads.py --llama-bench <build>/bin/llama-bench --rounds 2
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 # "default" is libgomp's own (300,000 spins, its documented default); specfleet sets 10,000 unless told otherwise
 SETTINGS = {"default": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "passive"},
             "spin10k": {"GOMP_SPINCOUNT": "10000"}}
-PEER = Path(__file__).with_name("bench_native_peer.py")
+PEER = Path(__file__).resolve().parents[1] / "peers" / "native_peer.py"
 
 
 def child(model: str, env_extra: dict) -> dict:

@@ -1,6 +1,6 @@
 """The draft head's learning curve over data size, at the cost of a solve per point.
 
-    PYTHONPATH=. python benchmarks/head_learning_curve.py --target qwen-1.5b --data DATA [--head FILE]
+    PYTHONPATH=. python tools/head_learning_curve.py --target qwen-1.5b --data DATA [--head FILE]
 
 For growing shares of the feature windows in DATA/train (in their stored order), fits the head's fc
 by ridge regression (distill/head_train.fit_fc_least_squares; the layer a no-op: the linear head a
