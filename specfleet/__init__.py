@@ -10,7 +10,7 @@ import os
 
 # libgomp spins a waiting thread for 300,000 rounds before it sleeps. Beside another busy process on a
 # 2-core machine that spinning takes the core the working thread needs: the 1.5B decoded at 5.3 tok/s
-# with it, 8.1 with a 10,000-round spin, and idle at 17.9 and 17.6 (benchmarks/bench_threads.py; the run
+# with it, 8.1 with a 10,000-round spin, and idle at 17.9 and 17.6 (benchmarks/kernels/threads.py; the run
 # is in benchmarks/RESULTS.md). libgomp reads the variable when it loads (with torch), so it is set here,
 # first; a setting of the user's own wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")

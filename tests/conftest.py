@@ -9,6 +9,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# The shared helpers (tiny_models, tiny_quant_models, tiny_engines, cuda_route) import by their bare names
+# from any folder below. Test folders are packages (tests/<package>/__init__.py), so pytest names each test
+# module by its path (tests.engine.test_distribution, tests.strategies.test_distribution): same-named files
+# in two folders cannot clash, and a test module imports another's helpers as tests.<folder>.<module>.
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -14,7 +14,7 @@ from specfleet.runtime.loading.build import build_model
 from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.model.config import ModelConfig
 from specfleet.runtime.formats.qtensor import quantize
-from test_loader import gguf_name, llamacpp_permute, write_tiny_shape, write_tiny_tokenizer
+from tests.runtime.loading.test_checkpoint import gguf_name, llamacpp_permute, write_tiny_shape, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 # v_proj and down_proj take another format than the rest, as in llama.cpp's *_K_M mixes

@@ -116,7 +116,7 @@ def run_bench(args) -> int:
     device = parse_device(preset.runs[0].device).type
     dtypes = sorted({r.dtype for r in preset.runs})
     meta = report.run_metadata(preset.name, device, ",".join(dtypes), getattr(args, "command_line", None))
-    out_dir = args.out or report.RESULTS_DIR / f"{preset.name}-{device}-{meta['timestamp_utc']}"
+    out_dir = args.out or report.result_path(meta)
     payload = runner.run_preset(preset, install=args.install, progress=not args.no_progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {} if args.no_plots else {part["name"]: plots.plot_part(part, out_dir) for part in payload["parts"]}

@@ -102,11 +102,19 @@ def markdown_header(meta: dict) -> str:
             f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
 
 
+def result_path(meta: dict) -> Path:
+    """The one naming rule for results: RESULTS_DIR/<name>-<device>-<UTC stamp>, e.g. draft-cost-cpu-20261127T011339Z
+    (the device without its index: cuda, not cuda:0). A run of one table adds .json/.md to it (write_results); a run
+    with plots or several files is a folder of that name (write_folder). The name is the run id RESULTS.md quotes."""
+    device = meta["machine"]["device"].split(":")[0]
+    return RESULTS_DIR / f"{meta['benchmark']}-{device}-{meta['timestamp_utc']}"
+
+
 def write_results(name: str, payload: dict, markdown_body: str, device: str = "cpu", dtype: str = "") -> Path:
-    """Write <name>-<device>-<timestamp>.json and .md under RESULTS_DIR; returns the JSON path."""
+    """Write <name>-<device>-<timestamp>.json and .md under RESULTS_DIR (result_path); returns the JSON path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     meta = run_metadata(name, device, dtype)
-    base = RESULTS_DIR / f"{name}-{device.split(':')[0]}-{meta['timestamp_utc']}"
+    base = result_path(meta)
     base.with_suffix(".json").write_text(json.dumps({**meta, "results": payload}, indent=2))
     base.with_suffix(".md").write_text(markdown_header(meta) + markdown_body + "\n")
     return base.with_suffix(".json")

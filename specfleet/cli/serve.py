@@ -110,7 +110,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
 
 def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = None) -> int:
     """Serve until SIGTERM; `prepare(llm)` runs once the model is loaded (the soak test injects a draft
-    source that raises now and then, benchmarks/soak.py)."""
+    source that raises now and then, tools/soak.py)."""
     from specfleet.extras import require
 
     for module in ("fastapi", "pydantic", "prometheus_client"):

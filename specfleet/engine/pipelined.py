@@ -18,7 +18,7 @@ On a GPU each drafter issues its kernels on its own CUDA stream. On the CPU the 
 `PipelineConfig.target_threads` / `draft_threads` split them (the OpenMP team size is per thread).
 Splitting avoids two full-size OpenMP teams oversubscribing the cores, but on a CPU both roles still
 compete for the same cores, and the m micro-batches read the target's weights m times per round
-(benchmarks/bench_pipeline.py measures it). The overlap pays where drafts and target have their own
+(benchmarks/serving/pipeline.py measures it). The overlap pays where drafts and target have their own
 compute: GPU streams, or drafts in other processes or devices.
 """
 from __future__ import annotations

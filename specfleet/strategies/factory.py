@@ -40,7 +40,7 @@ from specfleet.strategies.vote import VoteConfig, VoteProposer
 DEFAULT_HEAD_VOCAB = 65536
 # A same-vocabulary draft model's chain stops after a token whose draft probability is below DEFAULT_P_MIN
 # unless its spec says otherwise (`qwen-0.5b[p_min=0]` drafts every chain to its full depth). Lossless either
-# way. Measured with the 0.5B for the 1.5B on HumanEval (benchmarks/RESULTS.md, bench_draft_cost.py): 11 %
+# way. Measured with the 0.5B for the 1.5B on HumanEval (benchmarks/RESULTS.md, benchmarks/drafts/draft_cost.py): 11 %
 # fewer drafted tokens for the same tokens per step (acceptance per drafted token 0.77 -> 0.85).
 DEFAULT_P_MIN = 0.4
 

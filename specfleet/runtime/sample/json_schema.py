@@ -24,8 +24,8 @@ description (OpenAPI, JSON Schema Store, a tool's `parameters`) often carries su
   implements but cannot compile for the schema at hand (`_LIMITS`: a pattern outside its regex syntax,
   overlapping patternProperties, bounds beyond its number ranges), which are a 400 otherwise.
 
-Every rewrite is checked against `jsonschema` on instances (tests/test_json_schema.py), and on the
-official JSON-Schema-Test-Suite by benchmarks/bench_schema_coverage.py.
+Every rewrite is checked against `jsonschema` on instances (tests/runtime/sample/test_json_schema.py), and on the
+official JSON-Schema-Test-Suite by benchmarks/peers/schema_coverage.py.
 
 docs/compatibility.md has the table, keyword by keyword.
 """

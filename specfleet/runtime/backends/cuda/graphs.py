@@ -10,8 +10,8 @@ values to the same cache rows; nothing else sees it. Every tensor the forward re
 slot mapping, logit rows and the key plan of runtime/step/plan.py) lives in one static device buffer per
 shape, filled from the host in one copy; the forward, its batch-invariant kernels (runtime/backends/cuda/kernels.py)
 and the head run from the captured graph. Rows are computed by the same kernels in the same order as in
-an eager step, so a row's logits are the same bits either way (tests/test_cuda.py checks it on a GPU; on the
-CPU, tests/test_cuda_route.py runs the same padded path without capture).
+an eager step, so a row's logits are the same bits either way (tests/runtime/backends/cuda/test_on_gpu.py checks it on a GPU; on the
+CPU, tests/runtime/backends/cuda/test_route_on_cpu.py runs the same padded path without capture).
 
 Capture happens at a shape's first step, on that step's own data: the forward is run twice to warm up
 (Triton compiles; the writes are the step's own, repeated), captured, then replayed. A step whose keys do

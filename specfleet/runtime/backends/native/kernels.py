@@ -14,8 +14,8 @@ dot product) or csrc/generic/ (plain C that any compiler builds).
 ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2` on x86-64 Linux, `neondot` on
 aarch64 Linux. The CPU's flags pick the best one it runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a
 slower one. `generic` runs on any Linux machine with a C compiler but is never picked by itself (it is
-the reference the tests pin, tests/test_csrc_generic.py). Each path is its own build, every path gives
-the generic path's bits (tests/test_isa_paths.py, tests/test_csrc_generic.py, tests/test_arm_qemu.py),
+the reference the tests pin, tests/runtime/backends/native/test_csrc_generic.py). Each path is its own build, every path gives
+the generic path's bits (tests/runtime/backends/native/test_isa_paths.py, tests/runtime/backends/native/test_csrc_generic.py, tests/runtime/backends/native/test_arm_qemu.py),
 so the choice changes speed only. Per-path flags rather than -march=native: the same path builds the
 same code on every machine with those flags, so its bits are too, and a test can build and compare each
 path the CPU runs.

@@ -9,7 +9,7 @@
  * integer: exact in every body, whatever instructions sum them.
  *
  * The numerical contract every body keeps (so every path gives the generic path's bits; tests/
- * test_csrc_generic.py and tests/test_arm_qemu.py hold it): the integer sums of a block are grouped as
+ * test_csrc_generic.py and tests/runtime/backends/native/test_arm_qemu.py hold it): the integer sums of a block are grouped as
  * eight 32-bit lanes (lane j: the 32-weight formats' weights 4j..4j+3; the K formats' sub-block j); each
  * block adds lane by lane into eight fp32 accumulators with one fused multiply-add; a row ends with
  * sf_hsum8's fixed tree. Row ops, attention and exp are lane-exact likewise (see generic/). Every build

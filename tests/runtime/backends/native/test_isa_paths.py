@@ -1,0 +1,145 @@
+"""The block-format kernels' ISA paths (runtime/backends/native/kernels.py ISA_PATHS: AVX2, AVX-VNNI, AVX512-VNNI,
+and the plain-C generic path any machine with a compiler builds; the ARM path is tests/runtime/backends/native/test_arm_qemu.py's).
+
+Contract: every path the CPU can run computes bit for bit what the AVX2 path computes, for every format,
+every row count (each row-tile tail) and through the fused entry point with its input transforms. So the
+path changes speed only, and the batch invariance that keeps verification lossless (tests/runtime/backends/native/test_qkernels.py)
+carries over to each. Paths the CPU lacks are skipped with the reason; the control shows the comparison
+can fail."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specfleet.runtime.backends.native import build as native
+
+from specfleet.runtime.backends.native import kernels as native_backend
+
+from specfleet.runtime.formats import qtensor
+from specfleet.runtime.backends.native.kernels import PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL
+from specfleet.runtime.formats.qtensor import fused_parts, run_fused, run_qlinear
+from tests.runtime.backends.native.test_qkernels import FORMATS, block_of, random_blocks
+
+FAST_PATHS = [p for p in native_backend.ISA_PATHS if p != "avx2" and native_backend.FAMILY[p] in ("x86", "generic")]
+
+
+def _lib_or_skip(path: str):
+    if not native_backend._pinnable(path):
+        needs = native_backend.ISA_PATHS[path][0]
+        pytest.skip(f"this CPU cannot run the {path} kernels (needs {', '.join(needs)}; "
+                    f"has {sorted(f for f in native.cpu_flags() if 'avx' in f) or 'none of them'})")
+    lib = native_backend.library(path)
+    assert lib is not None, native_backend._reasons.get(path)
+    return lib
+
+
+def test_the_best_runnable_path_is_chosen_and_named():
+    paths = native_backend.runnable_isas()
+    if not paths:
+        pytest.skip(f"no native kernels here: {native_backend.missing()}")
+    assert native_backend.isa() == paths[0]
+    assert "avx2" in paths
+    for path in paths:  # each library says which path it was built for (checked at load, too)
+        assert _lib_or_skip(path).specfleet_q_isa().decode() == path
+
+
+def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SPECFLEET_ISA", "avx9000")
+    with pytest.raises(ValueError, match="not a kernel path"):
+        native_backend.isa()
+    missing = [p for p in native_backend.ISA_PATHS if not native_backend._pinnable(p)]
+    if missing and native_backend.runnable_isas():
+        monkeypatch.setenv("SPECFLEET_ISA", missing[0])
+        with pytest.raises(ValueError, match="cannot run it"):
+            native_backend.isa()
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_every_path_gives_the_avx2_bits(path, qtype):
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    k = 5 * block_of(qtype)
+    w = random_blocks(qtype, 37, k, seed=3)
+    torch.manual_seed(int(qtype))
+    x = torch.randn(33, k) * torch.logspace(-2, 1, k)  # activations of very different sizes per block
+    want = run_qlinear(base, x, w)
+    for m in (1, 2, 7, 8, 9, 17, 32, 33):  # decode, tile tails (TILE 8), several tiles
+        assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m}"
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+def test_fused_products_give_the_avx2_bits(path):
+    """q/k/v-style parts of mixed formats behind RMSNorm, and a SiLU * up product added to its output."""
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    k = 512
+    parts = [(random_blocks(t, n, k, seed=n), torch.randn(n) if t == T.Q5_0 else None)
+             for t, n in ((T.Q4_K, 40), (T.Q6_K, 24), (T.Q5_0, 24), (T.Q8_0, 8))]
+    arr = fused_parts(parts)
+    cols = sum(w.shape[0] for w, _ in parts)
+    torch.manual_seed(0)
+    x, norm_w = torch.randn(11, k), torch.rand(k) + 0.5
+    outs = [run_fused(lib, arr, len(parts), k, x, torch.empty(11, cols), PRE_RMSNORM, norm_w, 1e-6)
+            for lib in (fast, base)]
+    assert torch.equal(outs[0], outs[1])
+    down = [(random_blocks(T.Q6_K, 16, k, seed=5), None)]
+    darr = fused_parts(down)
+    gu = torch.randn(11, 2 * k)
+    res = [run_fused(lib, darr, 1, k, gu, torch.ones(11, 16), PRE_SILU_MUL, accumulate=True) for lib in (fast, base)]
+    assert torch.equal(res[0], res[1])
+    plain = [run_fused(lib, darr, 1, k, x, torch.empty(11, 16), PRE_NONE) for lib in (fast, base)]
+    assert torch.equal(plain[0], plain[1])
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (14, 2, 64), (4, 4, 32), (7, 1, 96)])
+def test_attention_gives_the_avx2_bits(path, heads, kv_heads, d):
+    """Attention (scores, softmax, the weighted sum of values) in wider registers: every length around the 8- and
+    16-key chunks, an odd number of query heads per KV head, head sizes that are and are not multiples of 64,
+    rows over a prefix and a tree row over gathered keys."""
+    from specfleet.runtime.model.attention import AttentionBatch, SeqAttention
+    from specfleet.runtime.step.plan import native_attend
+
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    g = torch.Generator().manual_seed(heads * d)
+    for length in (1, 7, 8, 9, 15, 16, 17, 24, 25, 70, 300):
+        k = torch.randn(length + 3, kv_heads, d, generator=g)
+        v = torch.randn(length + 3, kv_heads, d, generator=g)
+        q = torch.randn(6, heads, d, generator=g) * 3
+        tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)  # row 2 skips row 1: gathered keys
+        seqs = [SeqAttention(1, length - 1, slice(0, length)), SeqAttention(2, length + 1, slice(0, length + 3)),
+                SeqAttention(3, length, slice(0, length + 3), new_mask=torch.from_numpy(tree), host_mask=tree)]
+        batch = AttentionBatch(torch.zeros(6, dtype=torch.long), seqs)
+        outs = [native_attend(lib, q, k, v, batch, d ** -0.5) for lib in (fast, base)]
+        assert torch.equal(outs[0], outs[1]), f"{path} length={length}"
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("d", [128, 64, 32, 12])
+def test_rotary_gives_the_avx2_bits(path, d):
+    fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
+    heads, kv_heads, t = 6, 2, 5
+    torch.manual_seed(d)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.randn(64, d), torch.randn(64, d)
+    pos, slots = torch.tensor([3, 7, 8, 20, 63]), torch.tensor([9, 0, 4, 5, 11])
+    res = []
+    for lib in (fast, base):
+        q, kc, vc = torch.empty(t, heads, d), torch.zeros(12, kv_heads, d), torch.zeros(12, kv_heads, d)
+        lib.specfleet_rope_kv(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, d, pos.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr())
+        res.append((q, kc, vc))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+def test_control_a_changed_weight_changes_the_bits():
+    """The comparison above can fail: one weight block changed in one row changes that row's output."""
+    base = _lib_or_skip("avx2")
+    w = random_blocks(T.Q4_K, 4, 256, seed=1)
+    x = torch.randn(3, 256)
+    data = w.data.clone()
+    data[2, 40] ^= 0x11
+    other = qtensor.QTensor(data, T.Q4_K, w.shape, packed=True)
+    a, b = run_qlinear(base, x, w), run_qlinear(base, x, other)
+    assert torch.equal(a[:, :2], b[:, :2]) and not torch.equal(a[:, 2], b[:, 2])
+    assert np.array_equal(a[:, 3].numpy(), b[:, 3].numpy())

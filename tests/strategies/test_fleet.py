@@ -1,0 +1,403 @@
+"""fleet(...): cost estimators on synthetic timings, the per-step decision on a simulated target with a
+fake clock, greedy equality with plain decoding on tiny models (batch 1 and 3, chains and trees, under
++adaptive), no draft KV left behind, and bad options."""
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specfleet.errors import InvalidRequestError
+from specfleet.sampling_params import SamplingParams
+from specfleet.core.proposer import describe
+from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes
+from specfleet.strategies.fleet import FleetConfig, FleetProposer, best_subtree, merge_trees
+from specfleet.core.proposer import Feedback
+from specfleet.core.tree import DraftTree
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from tests.engine.test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
+from tiny_engines import LENGTHS, make_engine, repetitive_prompts
+from tests.strategies.test_in_engine import GREEDY, assert_all_free, build_strategy
+from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
+
+
+# -- estimators ------------------------------------------------------------------------------------
+def test_step_costs_converge_to_a_linear_truth_and_extrapolate():
+    rng = random.Random(0)
+    truth = lambda b, n: 0.002 + 0.001 * b + 0.0005 * n  # noqa: E731
+    costs = StepCosts(window=512)
+    for _ in range(2000):
+        b, n = rng.choice([1, 2, 4]), rng.randint(0, 10)
+        costs.add(b, n, truth(b, n) * rng.uniform(0.95, 1.05))
+    for b in (1, 2, 4):
+        for n in (0, 3, 10, 14):  # 14 was never seen: extrapolated
+            assert costs.step_time(b, n) == pytest.approx(truth(b, n), rel=0.04)
+    assert costs.step_time(3, 5) == pytest.approx(truth(3, 5), rel=0.04)  # batch never seen: the fit
+    assert costs.c(4) == pytest.approx([(0.003 + 0.0005 * k) / 0.003 for k in range(5)], rel=0.04)
+    assert costs.share(4) == pytest.approx(truth(4, 0) / 4, rel=0.04)
+    assert costs.marginal(2, 3, 4) == pytest.approx(0.002, rel=0.1)
+
+
+def test_step_costs_follow_a_convex_cpu_curve():
+    """Flat while bandwidth-bound, then steep: the per-N means keep the knee a line would blur."""
+    truth = lambda n: 0.010 + 0.003 * max(0, n - 3)  # noqa: E731
+    costs = StepCosts()
+    rng = random.Random(1)
+    for _ in range(600):
+        n = rng.randint(0, 8)
+        costs.add(1, n, truth(n) + rng.uniform(-2e-4, 2e-4))
+    c = costs.c(8)
+    assert c[:4] == pytest.approx([1.0] * 4, abs=0.03)
+    assert c[8] == pytest.approx(2.5, rel=0.03)
+    assert costs.step_time(1, 10) == pytest.approx(truth(10), rel=0.05)  # beyond: the last slope
+
+
+def test_step_costs_prior_before_any_timing():
+    costs = StepCosts(prior_node_cost=0.2)
+    assert not costs.measured and costs.c(2) == pytest.approx([1.0, 1.2, 1.4])
+
+
+def test_draft_cost_converges():
+    rng = random.Random(2)
+    cost = DraftCost()
+    for _ in range(400):
+        k, gap, batch = rng.randint(1, 6), rng.randint(1, 40), rng.randint(1, 3)
+        per = 0.001 + 0.004 * k + 0.0001 * gap
+        cost.add(per * batch * rng.uniform(0.97, 1.03), batch, k, gap, k * batch)
+    assert cost.per_request(4, 2) == pytest.approx(0.001 + 0.016 + 0.0002, rel=0.05)
+    assert cost.per_request(1, 30) == pytest.approx(0.001 + 0.004 + 0.003, rel=0.05)
+    assert 0.004 < cost.d < 0.006  # seconds per drafted token, catch-up included
+
+
+def test_acceptance_converges_by_depth_rank_and_context():
+    rng = random.Random(3)
+    acc = Acceptance(decay=1.0)
+    for _ in range(4000):
+        ctx = rng.choice([0, 4])
+        p1 = 0.9 if ctx == 4 else 0.3
+        acc.add(ctx, 1, 0, rng.random() < p1)
+        acc.add(ctx, 2, 0, rng.random() < 0.6)
+        acc.add(ctx, 1, 1, rng.random() < 0.1)
+    assert acc.p(4, 1, 0) == pytest.approx(0.9, abs=0.03) and acc.p(0, 1, 0) == pytest.approx(0.3, abs=0.03)
+    assert acc.p(0, 2, 0) == pytest.approx(0.6, abs=0.03) and acc.p(0, 1, 1) == pytest.approx(0.1, abs=0.03)
+    assert acc.p(2, 1, 0) == pytest.approx(0.6, abs=0.03)  # unseen context: the pooled estimate
+    tree = DraftTree([5, 6, 7], [-1, 0, -1], ["x"] * 3)
+    assert acc.path_probs(tree, 4) == pytest.approx([acc.p(4, 1, 0), acc.p(4, 1, 0) * acc.p(4, 2, 0), acc.p(4, 1, 1)])
+
+
+def test_best_subtree_worked_example_and_plain():
+    extra = lambda m: 2.0 * m  # noqa: E731  T(1, n) = 10 + 2n
+    keep, e, cost = best_subtree([0.9, 0.72, 0.36], 10.0, extra)
+    assert keep == [0, 1] and e == pytest.approx(2.62) and cost == 14.0
+    assert best_subtree([0.05, 0.01], 10.0, extra)[0] == []  # nothing pays: plain decoding
+
+
+def test_merge_keeps_every_branch_and_bounds_siblings():
+    a = DraftTree.chain([1, 2], "a")
+    b = DraftTree.chain([1, 3], "b")
+    c = DraftTree.chain([4], "c")
+    tree, probs = merge_trees([a, b, c], [[0.8, 0.4], [0.6, 0.5], [0.7]])
+    assert tree.token_ids == [1, 2, 3, 4] and tree.parents == [-1, 0, 0, -1] and tree.origins == ["a", "a", "b", "c"]
+    assert sum(p for p, par in zip(probs, tree.parents) if par < 0) == pytest.approx(1.0)  # .8 + .7 scaled
+    assert matched_nodes(tree, [1, 3, 9]) == {0, 2}
+
+
+# -- the decision rule on a simulated target, fake clock -------------------------------------------
+@dataclass
+class FakeParams:
+    is_greedy: bool = True
+    max_tokens: int = 100_000  # a long horizon: a catch-up is spread over many steps
+
+
+class FakeRequest:
+    def __init__(self, rid, tokens):
+        self.request_id, self.tokens, self.params = rid, list(tokens), FakeParams()
+        self.prompt_token_ids = list(tokens)
+
+    @property
+    def all_token_ids(self):
+        return list(self.tokens)
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+
+def truth(n):  # the target's greedy token after n tokens
+    return (n * 7 + 3) % 50
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeDraft:
+    """Drafts `k` tokens, each right with probability `accuracy`; costs `per_call + per_token * k` per
+    request on the fake clock. `weights` makes it an expensive member (it has parameters)."""
+
+    def __init__(self, name, clock, accuracy, per_token, k=4, weights=False, seed=0):
+        self.name, self.clock, self.accuracy, self.per_token = name, clock, accuracy, per_token
+        self.config = type("Cfg", (), {"num_speculative_tokens": k})()
+        self.rng = random.Random(seed)
+        if weights:
+            self.model = torch.nn.Linear(2, 2)
+        self.calls = 0
+
+    @property
+    def num_speculative_tokens(self):
+        return self.config.num_speculative_tokens
+
+    def set_num_speculative_tokens(self, n):
+        self.config.num_speculative_tokens = n
+
+    def propose(self, requests):
+        self.calls += 1
+        k = self.config.num_speculative_tokens
+        self.clock.now += len(requests) * (1e-6 + self.per_token * k)
+        out = {}
+        for r in requests:
+            n = r.num_tokens
+            toks = [truth(n + i) if self.rng.random() < self.accuracy else 99 for i in range(k)]
+            out[r.request_id] = DraftTree.chain(toks, self.name)
+        return out
+
+    def observe(self, feedback):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+class CachedDraft(FakeDraft):
+    """A FakeDraft with a draft cache: each token it has not seen costs `per_gap` to feed, in `prepare`
+    or at the start of `propose` (a draft model's prompt prefill and catch-up)."""
+
+    def __init__(self, *args, per_gap=0.0, **kw):
+        super().__init__(*args, **kw)
+        self.per_gap, self.cached = per_gap, {}
+
+    def _feed(self, r, upto):
+        have = self.cached.get(r.request_id, 0)
+        self.clock.now += self.per_gap * max(0, upto - have)
+        self.cached[r.request_id] = max(have, upto)
+
+    def prepare(self, requests):
+        for r in requests:
+            self._feed(r, r.num_tokens - 1)
+
+    def propose(self, requests):
+        for r in requests:
+            self._feed(r, r.num_tokens)
+        return super().propose(requests)
+
+
+def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
+             prompt=5, catch_up=0.0, max_tokens=100_000):
+    """A target whose step costs step * (batch + node_cost * nodes) on the fake clock."""
+    clock = Clock()
+    cheap = FakeDraft("cheap", clock, cheap_accuracy, 0.0, k=6, seed=1)
+    if catch_up:
+        model = CachedDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2,
+                            per_gap=catch_up * step)
+    else:
+        model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32), clock=clock)
+    reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
+    for r in reqs:
+        r.params.max_tokens = max_tokens
+    late = {"model": 0, "cheap": 0, "merged": 0, "plain": 0}
+    for s in range(steps):
+        before = dict(fleet.chosen)
+        trees = fleet.propose(reqs)
+        nodes = sum(len(t) for t in trees.values())
+        clock.now += step * (batch + node_cost * nodes)
+        feedback = []
+        for r in reqs:
+            tree = trees.get(r.request_id)
+            if tree is None:
+                r.tokens.append(truth(r.num_tokens))
+                continue
+            want = [truth(r.num_tokens + i) for i in range(len(tree) + 1)]
+            hit = sorted(matched_nodes(tree, want))
+            emitted = [tree.token_ids[j] for j in hit] + [truth(r.num_tokens + len(hit))]
+            r.tokens += emitted
+            feedback.append(Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted))
+        fleet.observe(feedback)
+        if s >= steps // 2:
+            for k in late:
+                late[k] += fleet.chosen[k] - before[k]
+    total = sum(late.values())
+    return fleet, {k: v / total for k, v in late.items()}, model
+
+
+def test_cheap_draft_chosen_when_its_goodput_is_higher():
+    fleet, share, model = simulate(cheap_accuracy=0.9, model_accuracy=0.95, model_cost=0.5)
+    assert share["cheap"] + share["merged"] > 0.9, share
+    assert model.calls <= 5  # only forced re-measurements, at steps 0, 32, 96, 224 (the interval doubles)
+    report = fleet.fleet_report()
+    assert report["d"]["model"] == pytest.approx(0.5, rel=0.1)  # d in plain steps per drafted token
+    assert report["c"][:5] == pytest.approx([1 + 0.25 * k for k in range(5)], rel=0.05)
+
+
+def test_model_draft_called_when_it_pays_more():
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05)
+    assert share["model"] > 0.9, share
+    assert fleet.fleet_report()["acceptance_by_position"]["model"][0] == pytest.approx(0.9, abs=0.1)
+
+
+def test_a_draft_models_prompt_catch_up_is_an_investment_not_its_cost_per_token():
+    """A 1000-token prompt costs the model 0.02 steps per token to feed once (20 steps); after that it
+    drafts at 0.05 steps per token plus its per-step catch-up (the accepted tokens, ~0.025 a drafted
+    token) and pays. The prompt's feed is timed apart from drafting (on a real CPU, folding it into the
+    per-call cost made the 0.5B look 4 plain steps per token dear and the fleet stopped calling it)."""
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05, prompt=1000,
+                                   catch_up=0.02)
+    assert share["model"] > 0.9, share
+    report = fleet.fleet_report()
+    assert report["catch_up_s_per_token"]["model"] == pytest.approx(0.02, rel=0.01)
+    assert report["d"]["model"] < 0.085  # per drafted token; 0.096 with the prompt's feed folded in
+
+
+def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
+    """The model does not pay; once its catch-up cost is timed (2 steps per token here), a forced
+    re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
+    plain step per token the request may still generate: only the first call, on the prompt, is made."""
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
+                                   prompt=1000, catch_up=2.0, max_tokens=300)
+    assert share["plain"] > 0.9, share
+    assert model.calls == 1
+
+
+def test_no_speculation_when_nothing_pays():
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6)
+    assert share["plain"] > 0.9, share
+    assert model.calls <= 5
+
+
+def test_decisions_at_batch_three_use_each_requests_share():
+    fleet, share, _ = simulate(cheap_accuracy=0.9, model_accuracy=0.95, model_cost=0.5, batch=3)
+    assert share["cheap"] + share["merged"] > 0.9, share
+    assert fleet.steps.share(3) == pytest.approx(1.0, rel=0.05)  # 3 steps' worth over 3 requests
+
+
+# -- on tiny models: greedy equality, KV, composition -----------------------------------------------
+SPECS = {
+    "chains": "fleet(d1,prompt-lookup,ngram)",
+    "trees": "fleet[explore_every=2](d1[width=2,k=3],prompt-lookup[width=2],ngram[top_children=2,min_prob=0.05])",
+    "two-models": "fleet[merge=false](d1,d2,prompt-lookup)",
+    "adaptive": "fleet(d1,prompt-lookup)+adaptive[decision_threshold=2,initial_length=3,max_length=5]",
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = ours_from_hf(tiny_hf_model("qwen2"))
+    return target, {"d1": perturbed_copy(target, 0.15), "d2": perturbed_copy(target, 0.3, seed=1)}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_fleet_greedy_equals_plain_and_frees_everything(models, kind, batch):
+    target, drafts = models
+    prompts = repetitive_prompts(LENGTHS[batch])
+    plain = [o.token_ids for o in run_to_completion(make_engine(target), prompts, GREEDY)]
+    proposer = build_strategy(SPECS[kind], drafts)
+    eng = make_engine(target, proposer)
+    assert [o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] == plain
+    # some drafts right; at batch > 1 (prompts the drafts do not repeat) some wrong too,
+    # so an accept-all or reject-all verifier fails here
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
+    assert batch == 1 or eng.stats.num_accepted < eng.stats.num_drafted
+    assert_all_free(eng, proposer)
+    fleet = proposer if kind != "adaptive" else proposer.inner
+    assert sum(fleet.chosen.values()) == fleet.num_request_steps > 0
+    assert "fleet" in describe(proposer)[fleet.name]
+
+
+def test_fleet_no_leak_under_preemption_aborts_and_sampling(models):
+    target, drafts = models
+    rng = random.Random(0)
+    proposer = build_strategy("fleet[explore_every=3](d1,d2+ngram,prompt-lookup,ngram)", drafts)
+    eng = make_engine(target, proposer, num_blocks=36, max_num_batched_tokens=24, max_num_seqs=6)
+    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(20)])
+    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40), ignore_eos=True)
+              for i in range(20)]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_unfinished():
+        eng.step()
+        live = [r for r in reqs if not r.is_finished]
+        if live and rng.random() < 0.05:
+            eng.abort(live[rng.randrange(len(live))].request_id)
+    assert sum(r.num_preemptions for r in reqs) > 0 and any(r.finish_reason == "abort" for r in reqs)
+    assert_all_free(eng, proposer)
+    assert not proposer._ctx and not proposer._seen  # per-request state forgotten
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("fleet[margin=0](prompt-lookup)", "margin"),
+    ("fleet[bogus=1](prompt-lookup)", "valid options"),
+    ("fleet(prompt-lookup,prompt-lookup)", "twice"),
+    ("fleet", "parentheses"),
+])
+def test_bad_fleet_specs_are_clear_errors(models, spec, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        build_strategy(spec, models[1])
+
+
+# -- sampled output follows the target (the chi-square harness of tests/engine/test_distribution.py) -------------
+@pytest.mark.parametrize("setting,seed0", [("t1", 11_000_000), ("t0.7-k3", 12_000_000)])
+def test_fleet_sampled_output_matches_target(setup, setting, seed0):  # noqa: F811
+    hf, target, draft, prompt = setup
+    joint = exact_joint(hf, prompt, SamplingParams(**PARAMS[setting]))
+    # explore_every=1 calls the model every step, so its sampled chains (with draft distributions)
+    # compete with prompt lookup's point masses every step (the model wins most of them here)
+    fleet = FleetProposer([DraftModelProposer(draft, "a", DraftModelConfig(3, kv_cache_bytes=8 << 20)),
+                           PromptLookupProposer(PromptLookupConfig(3))], FleetConfig(explore_every=1),
+                          clock=lambda: 0.0)  # a stopped clock: choices follow acceptance alone, reproducibly
+    samples, stats = generate(target, fleet, prompt, PARAMS[setting], 1200, seed0)
+    assert fleet.chosen["a"] > 100 and fleet.chosen["prompt-lookup"] > 0, fleet.chosen
+    assert 0.0 < stats.acceptance_rate < 1.0
+    p12, p123 = p_values(samples, joint)
+    assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+
+
+def test_the_engine_is_the_fleets_and_the_length_controllers_clock(models):
+    """The engine hands each step's measured seconds to every part of the composition that adapts to time
+    (core/proposer.observe_step); the fleet's step-cost model and the length controller learn from them, not
+    from gaps between their own calls."""
+    from specfleet.core.proposer import StepTiming, observe_step
+    from specfleet.strategies.length import LengthController
+
+    target, drafts = models
+    proposer = build_strategy(SPECS["adaptive"], drafts)
+    assert isinstance(proposer, LengthController)
+    fleet = proposer.inner
+    seen = []
+    real = fleet.observe_step
+    fleet.observe_step = lambda timing: seen.append(timing) or real(timing)
+    eng = make_engine(target, proposer)
+    run_to_completion(eng, repetitive_prompts(LENGTHS[3]), GREEDY)
+    assert len(seen) >= 5 and all(t.seconds > 0 and t.draft_seconds >= 0 and t.batch >= 1 for t in seen)
+    assert sum(t.verify_seconds for t in seen) <= eng.stats.verify_time + 1e-9
+    assert fleet.steps.measured and proposer._engine_now is not None  # both learned on the engine's clock
+    # each part hears a step once, even when it appears twice in a composition
+    calls = []
+
+    class Part:
+        name, children = "p", []
+
+        def observe_step(self, timing):
+            calls.append(timing)
+
+    part = Part()
+
+    class Both:
+        name, children = "both", [part, part]
+
+    observe_step(Both(), StepTiming(1.0, 0.1, 0.5, 1))
+    assert len(calls) == 1

@@ -1,0 +1,58 @@
+"""Engines on the tiny models, shared by the tests: the paged cache sized in fp32 blocks of 4 slots, the
+prompt sets (every other prompt repeats a motif, so prompt lookup finds matches) and the draft proposers."""
+from __future__ import annotations
+
+from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
+from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specfleet.engine.engine import Engine
+from tiny_models import random_prompts
+
+LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
+SMALL = 64 << 10  # a draft's KV cache
+
+
+def engine_config(model, num_blocks=400, **sched) -> EngineConfig:
+    c = model.config
+    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4
+    return EngineConfig(CacheConfig(4, per_block * num_blocks), SchedulerConfig(**sched))
+
+
+def make_engine(model, proposer=None, num_blocks=400, **sched):
+    return Engine(model, None, engine_config(model, num_blocks, **sched), proposer)
+
+
+def repetitive_prompts(lengths):
+    """Prompts that repeat themselves, so prompt lookup finds matches (and several branches)."""
+    out = []
+    for i, n in enumerate(random_prompts(lengths, seed=7)):
+        motif = n[:4] or [1]
+        out.append((motif * (len(n) // len(motif) + 1))[:len(n)] if i % 2 else n)
+    return out
+
+
+def prompts_for(batch):
+    return repetitive_prompts(LENGTHS[batch])
+
+
+def proposers(draft):
+    small = SMALL
+    return {
+        "draft-chain": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small)),
+        "draft-tree": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8,
+                                                                                  kv_cache_bytes=small)),
+        "draft-cut-head": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
+                                                                                      head_vocab=60)),
+        "draft-chain-pmin": lambda: DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small,
+                                                                                        p_min=0.5)),
+        "lookup-chain": lambda: PromptLookupProposer(PromptLookupConfig(4)),
+        "lookup-tree": lambda: PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
+    }
+
+
+def make_drafter(kind, draft):
+    if kind == "draft-chain":
+        return DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=SMALL))
+    if kind == "draft-tree":
+        return DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8, kv_cache_bytes=SMALL))
+    return PromptLookupProposer(PromptLookupConfig(4))
