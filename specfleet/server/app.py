@@ -43,6 +43,7 @@ from specfleet.server.schemas import (DEFAULT_COMPLETION_TOKENS, ChatCompletionR
                                       DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                       describe_validation_error)
 from specfleet.server.shutdown import Drain
+from specfleet.server.stall import TRANSPORT_KEY, StallGuard, transport_of
 from specfleet.server.worker import add_worker_routes
 
 T = TypeVar("T")
@@ -73,13 +74,27 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
 
 
+class ServerApp(FastAPI):
+    """FastAPI, with each HTTP request's connection transport in its scope (TRANSPORT_KEY), taken from
+    the server's own `send` before any middleware wraps it: the stall guard watches the socket
+    (server/stall.py)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            transport = transport_of(send)
+            if transport is not None:
+                scope[TRANSPORT_KEY] = transport
+        await super().__call__(scope, receive, send)
+
+
 class ClientGone(Exception):
     """The client disconnected before its non-streamed response was ready."""
 
 
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     engine = AsyncEngine(llm.engine, config.max_queue, config.stream_buffer, config.stream_stall_timeout_s)
-    metrics = ServerMetrics(engine)
+    stall_guard = StallGuard(config.stream_stall_timeout_s)
+    metrics = ServerMetrics(engine, stall_guard)
     if config.tokenizer_workers < 1:
         raise InvalidRequestError(f"tokenizer_workers must be >= 1, got {config.tokenizer_workers}")
     tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer",
@@ -101,7 +116,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             await engine.shutdown(config.shutdown_timeout_s)
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = ServerApp(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.max_body_bytes = config.max_body_bytes
     app.state.engine = engine
     app.state.admission = admission
@@ -237,7 +252,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 end = _StreamEnd()
                 events = stream_events("completions", response_id, created, "text_completion", req, choices,
                                        [shape.stream_state(c) for c in choices], end)
-                return sse(events, closing(choices, "completions", end))
+                return sse(events, closing(choices, "completions", end), stall_guard)
             outs = await collect(request, choices, drain)
             for out in outs:
                 metrics.observe_finished("completions", out)
@@ -264,7 +279,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 end = _StreamEnd()
                 events = stream_events("chat", response_id, created, "chat.completion.chunk", req, choices,
                                        [shape.stream_state(c) for c in choices], end)
-                return sse(events, closing(choices, "chat", end))
+                return sse(events, closing(choices, "chat", end), stall_guard)
             outs = await collect(request, choices, drain)
             for out in outs:
                 metrics.observe_finished("chat", out)
@@ -425,22 +440,26 @@ class _ClosingStreamingResponse(StreamingResponse):
     at all; left to the garbage collector, the engine request (and its KV blocks) would live on.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], guard: StallGuard):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._on_close = on_close
+        self._guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = self._guard.watch(scope)  # a client that stops reading gets its connection closed
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if watch is not None:
+                watch.cancel()
             await self._events.aclose()  # type: ignore[attr-defined]
             await self._on_close()
 
 
-def sse(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> StreamingResponse:
-    return _ClosingStreamingResponse(events, on_close)
+def sse(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], guard: StallGuard) -> StreamingResponse:
+    return _ClosingStreamingResponse(events, on_close, guard)
 
 
 async def collect(request: Request, choices: list[Choice], drain: Drain) -> list[RequestOutput]:
