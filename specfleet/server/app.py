@@ -32,7 +32,7 @@ from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
 from specfleet.server import serving
 from specfleet.server.admission import (LARGE_BODY_BYTES, Admission, HeapTrim, PromptLengthBound,
-                                        background_priority)
+                                        background_priority, idle_priority)
 from specfleet.server.auth import ApiKeyMiddleware, HostAllowlistMiddleware
 from specfleet.server.errors import (APIError, BodyTooLarge, MaxBodySizeMiddleware, api_error_from,
                                      body_too_large, install_error_handlers)
@@ -99,6 +99,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         raise InvalidRequestError(f"tokenizer_workers must be >= 1, got {config.tokenizer_workers}")
     tokenizer_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="specfleet-tokenizer",
                                         initializer=background_priority)
+    # grammars of large requests (a megabyte regex: seconds) compile here, on time the engine leaves idle
+    grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-grammar", initializer=idle_priority)
     admission = Admission(engine, config.max_preparing or config.max_queue)
     trim = HeapTrim()
     length_bound = PromptLengthBound(llm.tokenizer, llm.engine.max_model_len)
@@ -115,6 +117,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         finally:  # uvicorn has already let in-flight responses finish (or cancelled them) by now
             await engine.shutdown(config.shutdown_timeout_s)
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = ServerApp(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.max_body_bytes = config.max_body_bytes
@@ -133,9 +136,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                            allow_headers=["*"], expose_headers=["Retry-After"])
     install_error_handlers(app)
 
-    async def tokenize(fn: Callable[[], T]) -> T:
+    async def tokenize(fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
         try:
-            return await drain.race(asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn))
+            return await drain.race(asyncio.get_running_loop().run_in_executor(pool or tokenizer_pool, fn))
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
 
@@ -187,7 +190,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     async def start(prompts: list[list[int]], req: CompletionRequest | ChatCompletionRequest,
                     max_tokens: int | None, kind: str, default_max_tokens: int | None = None,
-                    prompt_texts: list[str | None] | None = None) -> tuple[str, list[Choice]]:
+                    prompt_texts: list[str | None] | None = None, large: bool = False) -> tuple[str, list[Choice]]:
         """Admit every choice of a request: `n` samples of each prompt, each its own engine request
         (choice i * n + j is sample j of prompt i). All are checked before any starts; if one cannot
         start, the ones already started are aborted."""
@@ -207,7 +210,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 compiler = llm.engine.grammar_compiler()
                 spec = serving.structured_outputs(req, compiler, config.unenforceable_schema == "relax")
                 return spec, [compiler.matcher(spec) for _ in range(total)]
-            structured, matchers = await tokenize(compile_all)
+            structured, matchers = await tokenize(compile_all, grammar_pool if large else None)
         plans = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):
@@ -245,7 +248,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 texts = [await tokenize(lambda p=p, i=i: prompt_text(p, i)) for p, i in zip(prompts, ids)] \
                     if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
                 response_id, choices = await start(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS,
-                                                   texts)
+                                                   texts, large=getattr(request.state, "large", False))
             created = serving.now()
             shape = CompletionShape(req, token_text)
             if req.stream:
@@ -272,7 +275,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                     await tokenize(lambda: serving.check_tool_parameters(req.tools, llm.engine.grammar_compiler()))
                 ids = await tokenize(lambda: chat.render(messages, kwargs, tool_defs=tool_defs))
                 parse_tools = tool_defs is not None and chat.tool_parser() is not None
-                response_id, choices = await start([ids], req, req.requested_max_tokens(), "chatcmpl")
+                response_id, choices = await start([ids], req, req.requested_max_tokens(), "chatcmpl",
+                                                   large=getattr(request.state, "large", False))
             created = serving.now()
             shape = ChatShape(req, token_text, parse_tools)
             if req.stream:
