@@ -7,7 +7,7 @@ first, minutes of tokens at SSE's ~150 bytes a token. So each streamed response 
 connection from the kernel's side: bytes waiting to go out (the transport's buffer and the socket's
 send queue, SIOCOUTQ) while the client acknowledges nothing new (TCP_INFO's bytes_acked). When no byte
 has been taken for `stream_stall_timeout_s` with bytes waiting, the connection is reset, which ends
-the response and so aborts its engine requests (the response's close does, app.py), and the stall is
+the response and so aborts its engine requests (the response's close does, server/streaming.py), and the stall is
 counted as the engine's are (`specfleet_stalled_streams`). A client that reads, however slowly, is
 left alone: each acknowledged byte restarts the clock. What the client's kernel takes before its
 receive window closes cannot be seen from here: the clock starts when the window closes.
