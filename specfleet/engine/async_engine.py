@@ -53,6 +53,10 @@ from specfleet.core.stats import SpecStats
 logger = logging.getLogger("specfleet.engine")
 
 
+SERVING_STEP_S = 0.2  # about the longest step while serving: a short request's first token behind a long
+# prefill then waits for at most about this (the step in flight) plus its own short step
+
+
 class QueueFullError(SpecfleetError):
     """Too many requests are waiting for their first token; the client should retry later (HTTP 429)."""
 
@@ -192,7 +196,8 @@ _Command = _Add | _Abort | _Stop
 
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 256, stream_buffer: int = 64,
-                 stream_stall_timeout_s: float = 30.0, max_step_failures: int = 3):
+                 stream_stall_timeout_s: float = 30.0, max_step_failures: int = 3,
+                 max_step_s: float | None = SERVING_STEP_S):
         if max_queue < 1:
             raise InvalidRequestError(f"max_queue must be >= 1, got {max_queue}")
         if stream_buffer < 1:
@@ -202,6 +207,9 @@ class AsyncEngine:
         if max_step_failures < 1:
             raise InvalidRequestError(f"max_step_failures must be >= 1, got {max_step_failures}")
         self.engine = engine
+        # a served engine bounds each step's time: a request can arrive at any moment, and it waits for the
+        # step in flight (a lone long prompt's too) before its own first step (Engine.max_step_s)
+        engine.max_step_s = max_step_s
         self.max_queue = max_queue
         self.stream_buffer = stream_buffer
         self.stream_stall_timeout_s = stream_stall_timeout_s

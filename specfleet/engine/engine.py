@@ -32,6 +32,9 @@ from specfleet.sampling_params import SamplingParams
 logger = logging.getLogger("specfleet.engine")
 
 
+STEP_FIXED_SHARES = 20  # a bounded step lasts at least this many fixed parts (decode steps): ~5 % of a prefill
+
+
 class StepFailedError(SpecfleetError):
     """A step's forward, verification or commit raised: the requests in that step were aborted (their KV
     blocks freed) and the engine can go on with the others. `request_ids`: the requests it failed."""
@@ -73,6 +76,10 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_num_prefills)
         self.proposer = proposer
         self.stop_checker = StopChecker(tokenizer, mcfg.eos_token_ids, self.max_model_len)
+        # about how long one step may take (engine/step_costs.py rows_within), so a request arriving during a
+        # long prefill waits little for the step in flight; None (offline use): steps take the whole budget.
+        # The server sets it (AsyncEngine)
+        self.max_step_s: float | None = None
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         # the engine's clock for the proposers (core/proposer.StepTiming): when the last drafting ended, how long
@@ -199,8 +206,14 @@ class Engine:
             self._release_draft(r.request_id)
 
     def _set_row_cap(self) -> None:
+        costs = self.executor.costs
         factor = self.config.scheduler.mixed_step_factor
-        self.scheduler.row_cap = None if factor is None else self.executor.costs.row_cap(factor)
+        self.scheduler.row_cap = None if factor is None else costs.row_cap(factor)
+        if self.max_step_s is None:
+            self.scheduler.step_cap = None
+        else:  # never below STEP_FIXED_SHARES fixed parts, so bounded steps cost a prefill only a few %
+            fixed = costs.fixed_s
+            self.scheduler.step_cap = costs.rows_within(max(self.max_step_s, STEP_FIXED_SHARES * (fixed or 0.0)))
 
     @property
     def draft_source(self) -> Proposer | None:

@@ -22,6 +22,10 @@ step costs about `mixed_step_factor` decode steps (the engine measures both cost
 sets `row_cap` before each step; engine/step_costs.py), but each step still prefills at least
 MIN_CHUNK tokens. Without anyone else a long prompt takes the whole budget, at full prefill speed.
 
+Bounded steps: with `step_cap` set (the server sets it from the step's time target, engine.py), every
+step's prompt chunks are cut to that many rows less its decode rows (at least MIN_CHUNK), a lone
+prompt's too: a request that arrives during a long prefill waits only for the short step in flight.
+
 Prefix caching: a waiting request is admitted with the longest cached prefix of its tokens already
 computed (runtime/kv/blocks.py), so its chunks, its share of the budget and its admission check
 count only the rest; after a preemption it looks again, and usually finds its own blocks. A request
@@ -94,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._parked: Collection[str] = ()
         self.row_cap: int | None = None  # rows a mixed step may carry (set by the engine each step)
+        self.step_cap: int | None = None  # rows any step may carry (set by the engine each step; None: no bound)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -117,7 +122,7 @@ class Scheduler:
         self._parked = parked
         out = SchedulerOutput()
         budget = self._schedule_decodes(out)
-        budget = self._mixed_step_budget(out, budget)
+        budget = self._bounded_step_budget(out, self._mixed_step_budget(out, budget))
         self._schedule_prefills(out, budget)
         while not out.scheduled and self._victim() is not None:  # every chunk is short of blocks: make room
             self._preempt(self._victim(), out)
@@ -135,6 +140,13 @@ class Scheduler:
             return budget  # one prompt alone: full speed
         used = sum(s.num_new_tokens + (s.request.num_draft_tokens if s.with_draft else 0) for s in out.scheduled)
         return min(budget, max(MIN_CHUNK, self.row_cap - used))
+
+    def _bounded_step_budget(self, out: SchedulerOutput, budget: int) -> int:
+        """The prefill budget cut to `step_cap` rows in all, shared or not (see the module docstring)."""
+        if self.step_cap is None:
+            return budget
+        used = sum(s.num_new_tokens + (s.request.num_draft_tokens if s.with_draft else 0) for s in out.scheduled)
+        return min(budget, max(MIN_CHUNK, self.step_cap - used))
 
     def _victim(self) -> Request | None:
         """The most recently admitted request that is not parked: the one to preempt."""

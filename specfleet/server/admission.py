@@ -162,3 +162,17 @@ def background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError):
         pass
+
+
+def idle_priority() -> None:
+    """Run the calling thread (the worker that compiles large grammars) only when a core is otherwise idle.
+
+    A megabyte regex compiles for seconds; at nice 10 that thread still gets its share of a core when
+    the engine's threads want both, and each slice it takes stalls a whole step (the probe measured the
+    longest inter-token gaps while one compiled). Linux's SCHED_IDLE runs it only on time nobody else
+    wants, and the engine leaves such time between steps. Only large grammars go there, so normal
+    requests' tokenizing is never starved by a busy engine; elsewhere (or without the call) nice 10."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        background_priority()

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from specfleet.engine.async_engine import AsyncEngine
 from specfleet.outputs import RequestOutput
 from specfleet.core.stats import SpecStats
+from specfleet.server.stall import StallGuard
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 # Unknown field names come from clients: at most this many get their own label (and log line), the
@@ -34,7 +35,7 @@ logger = logging.getLogger("specfleet.server")
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, stall_guard: StallGuard | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("specfleet_requests", "Finished or rejected API requests",
@@ -58,7 +59,7 @@ class ServerMetrics:
                                     "enforced: kind annotation (unknown keyword, format without a grammar), "
                                     "narrowed, or not_enforced (strict=false)", ["kind", "name"], registry=r)
         self._schema_seen: set[tuple[str, str]] = set()
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, stall_guard))
 
     def observe_finished(self, endpoint: str, out: RequestOutput) -> None:
         self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
@@ -103,8 +104,9 @@ class ServerMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, stall_guard: StallGuard | None = None):
         self.engine = engine
+        self.stall_guard = stall_guard  # stalls seen at the socket (server/stall.py), besides the engine's
 
     def collect(self) -> Iterator[Metric]:
         snap = self.engine.snapshot
@@ -144,7 +146,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("specfleet_engine_failed_requests", "Requests stopped by a failed engine step",
                                   value=snap.num_failed_requests)
         yield CounterMetricFamily("specfleet_stalled_streams", "Streams stopped because the client read too "
-                                  "slowly (--stream-stall-timeout)", value=self.engine.num_stalled_streams)
+                                  "slowly (--stream-stall-timeout)", value=self.engine.num_stalled_streams + (
+                                      self.stall_guard.num_stalled if self.stall_guard else 0))
         yield CounterMetricFamily("specfleet_spec_draft_failures", "Proposer calls that raised (their requests "
                                   "went on by plain decoding)", value=s.num_draft_failures)
         yield CounterMetricFamily("specfleet_spec_draft_fallback_requests", "Requests that a proposer failure "

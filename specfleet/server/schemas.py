@@ -432,7 +432,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def check_tools(tools: list[ToolDef] | None) -> None:
     """The bound on how many tools a request defines, and OpenAI's pattern for their names (a 400
-    naming the tool). Their `parameters` schemas are checked by the grammar compiler (server/app.py)."""
+    naming the tool). Their `parameters` schemas are checked by the grammar compiler (server/chat_completions.py)."""
     if not tools:
         return
     if len(tools) > MAX_TOOLS:
