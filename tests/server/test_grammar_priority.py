@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.real_model,
 
 @pytest.fixture(scope="module")
 def client():
-    from conftest import real_model_path
+    from tests.conftest import real_model_path
 
     real_model_path("smollm2-135m-instruct")
     llm = LLM("smollm2-135m-instruct", None, dtype="float32", max_model_len=384, kv_cache_bytes=24 << 20,
