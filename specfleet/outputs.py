@@ -67,6 +67,38 @@ class OutputDelta:
         self.finished, self.finish_reason, self.metrics = later.finished, later.finish_reason, later.metrics
 
 
+@dataclass
+class SentOutput:
+    """What was already sent of one streamed request's output; `delta` makes the next OutputDelta against it.
+    The executor keeps one per streamed request (Request.sent) and the async engine one per cumulative
+    output it diffs, so both make their deltas the one way."""
+
+    text: str = ""
+    num_tokens: int = 0
+    num_logprobs: int = 0
+    num_prompt_logprobs: int = 0
+
+    def delta(self, request_id: str, text: str, token_ids: list[int], token_origins: list[str],
+              logprobs: list[TokenLogprob] | None, prompt_logprobs: list[TokenLogprob | None] | None,
+              finished: bool, finish_reason: str | None, metrics: dict) -> OutputDelta:
+        """The part of a request's output (its whole text, tokens, origins and log-probabilities so far) not yet
+        sent, as a delta; from now on it counts as sent. O(new tokens) list work."""
+        keep = len(self.text) if text.startswith(self.text) else common_prefix_len(self.text, text)
+        new_logprobs = None
+        if logprobs is not None:
+            new_logprobs = logprobs[self.num_logprobs:]
+            self.num_logprobs = len(logprobs)
+        new_prompt_logprobs = None
+        if prompt_logprobs is not None and len(prompt_logprobs) != self.num_prompt_logprobs:
+            new_prompt_logprobs = list(prompt_logprobs)  # only while a prompt's chunks are computed
+            self.num_prompt_logprobs = len(prompt_logprobs)
+        n = self.num_tokens
+        out = OutputDelta(request_id, keep, text[keep:], token_ids[n:], token_origins[n:], new_logprobs,
+                          new_prompt_logprobs, finished, finish_reason, metrics)
+        self.text, self.num_tokens = text, len(token_ids)
+        return out
+
+
 def common_prefix_len(a: str, b: str) -> int:
     """len of the longest common prefix; fast when they differ only near the end (a text's tail changes)."""
     n = min(len(a), len(b))

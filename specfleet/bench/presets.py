@@ -258,6 +258,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                       systems=("specfleet:none", "specfleet:prompt-lookup", "hf", "hf-assisted:prompt-lookup"),
                       batch_sizes=(1, 2), max_tokens=8, dtype="float32"),),
            expected_duration="under a minute"),
+    Preset("fleet-small", "a fleet against each of its drafts alone and plain decoding on SmolLM2-135M in fp32: its "
+           "first 8 layers as a draft model, prompt lookup, the n-gram model and fleet() of the three; 4 HumanEval "
+           "prompts, 48 new tokens (EOS ignored), greedy, batch 1, two rounds in alternating order; the report "
+           "shows what the fleet measured and chose",
+           (RunConfig(name="humaneval", model="smollm2-135m-instruct", dataset="humaneval", num_prompts=4,
+                      systems=("specfleet:none", "specfleet:smollm2-135m-instruct@8", "specfleet:prompt-lookup",
+                               "specfleet:ngram", "specfleet:fleet(smollm2-135m-instruct@8,prompt-lookup,ngram)"),
+                      max_tokens=48, ignore_eos=True, dtype="float32", rounds=2),),
+           expected_duration="about 3 minutes on 2 CPU cores"),
     Preset("decode", "single-request decode tok/s, specfleet vs transformers.generate, 0.5B and 1.5B "
            "in bf16 (8 HumanEval prompts, 32 tokens each, EOS ignored), and 8 concurrent requests vs 1",
            (_decode_part("qwen-0.5b", QWEN_05B), _decode_part("qwen-1.5b", QWEN_15B)),

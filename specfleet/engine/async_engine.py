@@ -43,8 +43,7 @@ from typing import Mapping
 from specfleet.core.proposer import DraftStats, DraftWeights, speculation_length
 from specfleet.engine.engine import Engine, StepFailedError
 from specfleet.errors import InvalidRequestError, SpecfleetError
-from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob  # noqa: F401 -- OutputDelta: re-exported
-from specfleet.outputs import common_prefix_len as _common_prefix_len
+from specfleet.outputs import OutputDelta, RequestOutput, SentOutput, TokenLogprob  # noqa: F401 -- OutputDelta: re-exported
 from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.sample.structured import Matcher
 from specfleet.sampling_params import SamplingParams
@@ -110,32 +109,10 @@ class EngineSnapshot:
     num_failed_requests: int = 0  # requests stopped by those failures
 
 
-@dataclass
-class _Sent:
-    """Engine thread: what was already sent of one request's output."""
-
-    text: str = ""
-    num_tokens: int = 0
-    num_logprobs: int = 0
-    num_prompt_logprobs: int = 0
-
-
-def to_delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
-    """The part of cumulative `out` not in `sent`; updates `sent`."""
-    keep = len(sent.text) if out.text.startswith(sent.text) else _common_prefix_len(sent.text, out.text)
-    logprobs = None
-    if out.logprobs is not None:
-        logprobs = out.logprobs[sent.num_logprobs:]
-        sent.num_logprobs = len(out.logprobs)
-    prompt_logprobs = None
-    if out.prompt_logprobs is not None and len(out.prompt_logprobs) != sent.num_prompt_logprobs:
-        prompt_logprobs = out.prompt_logprobs
-        sent.num_prompt_logprobs = len(out.prompt_logprobs)
-    delta = OutputDelta(out.request_id, keep, out.text[keep:], out.token_ids[sent.num_tokens:],
-                        out.token_origins[sent.num_tokens:], logprobs, prompt_logprobs, out.finished,
-                        out.finish_reason, out.metrics)
-    sent.text, sent.num_tokens = out.text, len(out.token_ids)
-    return delta
+def to_delta(out: RequestOutput, sent: SentOutput) -> OutputDelta:
+    """The part of cumulative `out` not in `sent` (engine thread); updates `sent`."""
+    return sent.delta(out.request_id, out.text, out.token_ids, out.token_origins, out.logprobs, out.prompt_logprobs,
+                      out.finished, out.finish_reason, out.metrics)
 
 
 class _StreamBuffer:
@@ -220,7 +197,7 @@ class AsyncEngine:
         self.num_stalled_streams = 0  # streams stopped because their reader fell behind (loop thread)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _StreamBuffer] = {}  # loop thread only
-        self._sent: dict[str, _Sent] = {}  # engine thread only
+        self._sent: dict[str, SentOutput] = {}  # engine thread only
         self._num_step_failures = 0  # engine thread only
         self._num_failed_requests = 0
         self._failures_in_a_row = 0
@@ -370,7 +347,7 @@ class AsyncEngine:
             if isinstance(out, OutputDelta):
                 deltas.append(out)
                 continue
-            sent = self._sent.setdefault(out.request_id, _Sent())
+            sent = self._sent.setdefault(out.request_id, SentOutput())
             deltas.append(to_delta(out, sent))
             if out.finished:
                 del self._sent[out.request_id]

@@ -23,7 +23,7 @@ from specfleet.engine.request import Request
 from specfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specfleet.engine.step_costs import StepCostModel
 from specfleet.engine.stop import StopChecker
-from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob, common_prefix_len
+from specfleet.outputs import OutputDelta, RequestOutput, TokenLogprob
 from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.step.runner import ForwardItem, ModelRunner, tree_item
 from specfleet.runtime.sample.sampling import target_probs
@@ -198,22 +198,9 @@ class StepExecutor:
     def delta(self, req: Request) -> OutputDelta:
         """What this step added to `req`'s output since the last delta: O(new tokens) list work, where a
         cumulative output copies every list of the whole output every step (O(n^2) over a request)."""
-        text = self.stop_checker.text(req)
-        sent = req.sent_text
-        keep = len(sent) if text.startswith(sent) else common_prefix_len(sent, text)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = req.logprobs[req.num_sent_logprobs:]
-            req.num_sent_logprobs = len(req.logprobs)
-        prompt_logprobs = None
-        if req.prompt_logprobs is not None and len(req.prompt_logprobs) != req.num_sent_prompt_logprobs:
-            prompt_logprobs = list(req.prompt_logprobs)  # only while a prompt's chunks are computed
-            req.num_sent_prompt_logprobs = len(req.prompt_logprobs)
-        n = req.num_sent_tokens
-        out = OutputDelta(req.request_id, keep, text[keep:], req.output_token_ids[n:], req.output_origins[n:],
-                          logprobs, prompt_logprobs, req.is_finished, req.finish_reason, self._metrics(req))
-        req.sent_text, req.num_sent_tokens = text, len(req.output_token_ids)
-        return out
+        return req.sent.delta(req.request_id, self.stop_checker.text(req), req.output_token_ids, req.output_origins,
+                              req.logprobs, req.prompt_logprobs, req.is_finished, req.finish_reason,
+                              self._metrics(req))
 
     @staticmethod
     def _metrics(req: Request) -> dict:

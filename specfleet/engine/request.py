@@ -18,7 +18,7 @@ import torch
 
 from specfleet.engine.detokenize import IncrementalText
 from specfleet.errors import InvalidRequestError
-from specfleet.outputs import TokenLogprob
+from specfleet.outputs import SentOutput, TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
@@ -91,10 +91,7 @@ class Request:
     # a streamed request (the async engine's): each step's output is what it added (OutputDelta), and
     # these count what was sent so far
     emit_deltas: bool = False
-    sent_text: str = field(default="", repr=False, compare=False)
-    num_sent_tokens: int = 0
-    num_sent_logprobs: int = 0
-    num_sent_prompt_logprobs: int = 0
+    sent: SentOutput = field(default_factory=SentOutput, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -148,7 +148,7 @@ class HeapTrim:
             logger.debug("malloc_trim failed", exc_info=True)
 
 
-BACKGROUND_NICE = 10
+BACKGROUND_NICE = 10  # niceness levels below the process's own (Linux caps it at 19)
 
 
 def background_priority() -> None:
@@ -156,10 +156,12 @@ def background_priority() -> None:
 
     Compiling a large grammar or tokenizing a long prompt takes a core for seconds; the engine's forward
     passes run on every core (torch's threads), and one of them waiting for a core stalls the whole step,
-    so every stream would pay for one client's grammar. At nice 10 the kernel gives the engine's threads
-    the core first. Linux sets it per thread; elsewhere (or without the right) this does nothing."""
+    so every stream would pay for one client's grammar. Ten levels below the process (relative, so a server
+    started under `nice` keeps its workers below its engine) the kernel gives the engine's threads the core
+    first. Linux sets it per thread; elsewhere (or without the right) this does nothing."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, own + BACKGROUND_NICE))
     except (AttributeError, OSError):
         pass
 

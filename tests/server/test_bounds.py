@@ -153,7 +153,7 @@ def test_grammars_are_compiled_off_the_engine_thread(client, monkeypatch):
     assert all(c["text"][:2] in ("ye", "no") for c in r.json()["choices"])
     assert threads and not any(t.startswith("specfleet-engine") for t in threads), threads
     # and at a lower CPU priority than the engine's threads, which every stream waits on
-    assert nice and all(n >= os.getpriority(os.PRIO_PROCESS, 0) + 1 for n in nice), nice
+    assert nice and all(n >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1) for n in nice), nice
 
 
 def test_the_grammar_cache_stays_within_its_byte_budget(llm):

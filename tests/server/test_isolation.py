@@ -283,7 +283,7 @@ def test_deltas_merged_in_any_grouping_rebuild_every_output():
     buffer merges them, and applied by the stream: the reader sees exactly the cumulative outputs."""
     import random
 
-    from specfleet.outputs import RequestOutput
+    from specfleet.outputs import RequestOutput, SentOutput
 
     rng = random.Random(0)
     for trial in range(200):
@@ -294,7 +294,7 @@ def test_deltas_merged_in_any_grouping_rebuild_every_output():
             text += "".join(rng.choice("ab\ufffdé") for _ in range(rng.randint(0, 4)))
             tokens = tokens + [rng.randrange(97) for _ in range(rng.randint(1, 3))]
             outs.append(RequestOutput("r", None, [1], text, list(tokens), ["target"] * len(tokens), False, None))
-        sent, deltas = async_engine._Sent(), []
+        sent, deltas = SentOutput(), []
         for out in outs:
             deltas.append(async_engine.to_delta(out, sent))
         groups, i = [], 0  # a reader that takes 1..k deltas at a time, each group merged into one

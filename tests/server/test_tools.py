@@ -9,6 +9,8 @@ import dataclasses
 import json
 
 import pytest
+
+from specfleet.outputs import SentOutput
 from fastapi.testclient import TestClient
 
 from specfleet.engine import async_engine
@@ -149,7 +151,7 @@ def canned(llm: LLM, monkeypatch, text: str) -> None:
     sent: dict = {}
 
     def delta(req):  # a served request's step output is a delta (executor.delta): the same canned text, diffed
-        return async_engine.to_delta(output(req), sent.setdefault(req.request_id, async_engine._Sent()))
+        return async_engine.to_delta(output(req), sent.setdefault(req.request_id, SentOutput()))
     monkeypatch.setattr(executor, "output", output)
     monkeypatch.setattr(executor, "delta", delta)
 

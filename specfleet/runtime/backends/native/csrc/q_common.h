@@ -63,6 +63,20 @@ typedef struct { _Alignas(32) int8_t q[32]; float d; int32_t sum; } xq32; /* 64 
  * bsum: sums of every 16 quants in element order; fsum[u]: the sum of sub-block u's 32 quants in fp32 */
 typedef struct { _Alignas(64) int8_t q[256]; float fsum[8]; int16_t bsum[16]; float d; } xq256;
 
+/* An xq256 block from its 256 quants in element order: the 16-sums, the per-sub-block float sums and the
+ * kernels' interleaved order (register t, dword u <- element dword 8u + t: an 8 x 8 dword transpose).
+ * Integer work only, so every body that uses it gives the same block. */
+static inline void sf_xq256_from_quants(xq256 *o, const int8_t *nat) {
+    for (int s = 0; s < 16; s++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
+        o->bsum[s] = (int16_t)sum;
+    }
+    for (int u = 0; u < 8; u++) o->fsum[u] = (float)(o->bsum[2 * u] + o->bsum[2 * u + 1]);
+    for (int t = 0; t < 8; t++)
+        for (int u = 0; u < 8; u++) memcpy(o->q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
+}
+
 /* IEEE half -> float, exact (every half is a float); the bodies may use an instruction for it */
 static inline float sf_half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
@@ -136,6 +150,38 @@ typedef void (*cols_fn)(const uint8_t *W, int64_t row_bytes, int64_t nb, const u
 const char *sfq_isa_name(void);       /* the path's name, as runtime/backends/native/kernels.py calls it */
 cols_fn sfq_legacy_columns(int type); /* Q4_0, Q4_1, Q5_0, Q8_0; 0 for another type */
 cols_fn sfq_kquant_columns(int type); /* Q4_K, Q6_K (interleaved); 0 for another type */
+/* The two tables above, over the column functions cols_q4_0 ... cols_q8_0 / cols_q4_k, cols_q6_k that a
+ * family's bodies define (with DEFINE_COLUMNS): one definition of the table for every family. */
+#define SF_LEGACY_COLUMNS_TABLE                                                                   \
+    cols_fn sfq_legacy_columns(int type) {                                                        \
+        switch (type) {                                                                           \
+        case T_Q4_0: return cols_q4_0;                                                            \
+        case T_Q4_1: return cols_q4_1;                                                            \
+        case T_Q5_0: return cols_q5_0;                                                            \
+        case T_Q8_0: return cols_q8_0;                                                            \
+        default: return 0;                                                                        \
+        }                                                                                         \
+    }
+#define SF_KQUANT_COLUMNS_TABLE                                                                   \
+    cols_fn sfq_kquant_columns(int type) {                                                        \
+        switch (type) {                                                                           \
+        case T_Q4_K: return cols_q4_k;                                                            \
+        case T_Q6_K: return cols_q6_k;                                                            \
+        default: return 0;                                                                        \
+        }                                                                                         \
+    }
+/* A family whose bodies define all six dot products as dot_q4_0 ... dot_q6_k: their column functions and
+ * both tables in one line (x86 spreads its bodies over two files and defines them there instead). */
+#define SF_COLUMNS_FROM_DOTS                                                                      \
+    DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)                                                    \
+    DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)                                                    \
+    SF_LEGACY_COLUMNS_TABLE                                                                       \
+    SF_KQUANT_COLUMNS_TABLE
+
 void sfq_quantize_row32(const float *x, int64_t K, xq32 *out);
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out);
 /* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps) */

@@ -46,15 +46,7 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
         out[b].d = mx / 127.0f;
         int8_t nat[256]; /* the block's quants in element order */
         for (int i = 0; i < 256; i++) nat[i] = sf_sat8(sf_round_i32(xb[i] * mul));
-        for (int s = 0; s < 16; s++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
-            out[b].bsum[s] = (int16_t)sum;
-        }
-        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
-        /* the interleaved order: register t, dword u <- element dword 8u + t */
-        for (int t = 0; t < 8; t++)
-            for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
+        sf_xq256_from_quants(&out[b], nat);
     }
 }
 
@@ -216,27 +208,4 @@ static inline void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = sf_hsum8(acc[r]);
 }
 
-DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)
-DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
-DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
-DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
-DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
-DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
-
-cols_fn sfq_legacy_columns(int type) {
-    switch (type) {
-    case T_Q4_0: return cols_q4_0;
-    case T_Q4_1: return cols_q4_1;
-    case T_Q5_0: return cols_q5_0;
-    case T_Q8_0: return cols_q8_0;
-    default: return 0;
-    }
-}
-
-cols_fn sfq_kquant_columns(int type) {
-    switch (type) {
-    case T_Q4_K: return cols_q4_k;
-    case T_Q6_K: return cols_q6_k;
-    default: return 0;
-    }
-}
+SF_COLUMNS_FROM_DOTS

@@ -226,27 +226,4 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(lo[r], hi[r]);
 }
 
-DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)
-DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
-DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
-DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
-DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
-DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
-
-cols_fn sfq_legacy_columns(int type) {
-    switch (type) {
-    case T_Q4_0: return cols_q4_0;
-    case T_Q4_1: return cols_q4_1;
-    case T_Q5_0: return cols_q5_0;
-    case T_Q8_0: return cols_q8_0;
-    default: return 0;
-    }
-}
-
-cols_fn sfq_kquant_columns(int type) {
-    switch (type) {
-    case T_Q4_K: return cols_q4_k;
-    case T_Q6_K: return cols_q6_k;
-    default: return 0;
-    }
-}
+SF_COLUMNS_FROM_DOTS

@@ -96,15 +96,7 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
             p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256((__m256i *)(nat + 32 * g), p8);
         }
-        for (int s = 0; s < 16; s++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += nat[16 * s + i];
-            out[b].bsum[s] = (int16_t)sum;
-        }
-        for (int u = 0; u < 8; u++) out[b].fsum[u] = (float)(out[b].bsum[2 * u] + out[b].bsum[2 * u + 1]);
-        /* the interleaved order: register t, dword u <- element dword 8u + t (an 8 x 8 dword transpose) */
-        for (int t = 0; t < 8; t++)
-            for (int u = 0; u < 8; u++) memcpy(out[b].q + 32 * t + 4 * u, nat + 32 * u + 4 * t, 4);
+        sf_xq256_from_quants(&out[b], nat);
     }
 #endif
 }
@@ -446,10 +438,4 @@ DEFINE_COLUMNS_PAIRED(cols_q6_k, dot_q6_k, dot2_q6_k, xq256)
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
 #endif
 
-cols_fn sfq_kquant_columns(int type) {
-    switch (type) {
-    case T_Q4_K: return cols_q4_k;
-    case T_Q6_K: return cols_q6_k;
-    default: return 0;
-    }
-}
+SF_KQUANT_COLUMNS_TABLE

@@ -185,15 +185,7 @@ DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
 DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
 DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
 
-cols_fn sfq_legacy_columns(int type) {
-    switch (type) {
-    case T_Q4_0: return cols_q4_0;
-    case T_Q4_1: return cols_q4_1;
-    case T_Q5_0: return cols_q5_0;
-    case T_Q8_0: return cols_q8_0;
-    default: return 0;
-    }
-}
+SF_LEGACY_COLUMNS_TABLE
 
 /* the ISA path this library was built for (x86.h) */
 const char *sfq_isa_name(void) { return SF_ISA_NAME; }
