@@ -66,6 +66,9 @@ class ServerContext:
                                                  initializer=background_priority)
         # grammars of large requests (a megabyte regex: seconds) compile here, on time the engine leaves idle
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="specfleet-grammar", initializer=idle_priority)
+        # large bodies are parsed here, below the engine's priority (eight 2 MB prompts at once parsed at the
+        # engine's priority were the longest stalls of other streams), not on asyncio's default pool
+        self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="specfleet-parse", initializer=background_priority)
         self.admission = Admission(self.engine, config.max_preparing or config.max_queue)
         self.trim = HeapTrim()
         self.length_bound = PromptLengthBound(llm.tokenizer, llm.engine.max_model_len)
@@ -82,6 +85,7 @@ class ServerContext:
         await self.engine.shutdown(self.config.shutdown_timeout_s)
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the steps of a request ---------------------------------------------------------------------
     async def tokenize(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
@@ -104,7 +108,7 @@ class ServerContext:
         try:
             if len(body) > LARGE_BODY_BYTES:  # tens of ms of parsing (a 900k-id list): off the event loop,
                 req = await asyncio.get_running_loop().run_in_executor(  # which writes every stream's tokens
-                    None, schema.model_validate_json, body)
+                    self.parse_pool, schema.model_validate_json, body)
                 request.state.large = True  # the heap is trimmed after it (run)
             else:
                 req = schema.model_validate_json(body)

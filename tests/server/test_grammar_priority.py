@@ -56,3 +56,23 @@ def test_a_large_requests_grammar_compiles_at_idle_priority_and_a_small_ones_doe
     assert r.status_code == 200, r.text
     name, policy, nice = seen[-1]
     assert policy != os.SCHED_IDLE and nice >= 10 and name.startswith("specfleet-tokenizer"), seen
+
+
+def test_a_large_body_is_parsed_below_the_engines_priority(client, monkeypatch):
+    """A body over LARGE_BODY_BYTES is parsed off the event loop on the parse workers, niced below the process
+    (eight 2 MB prompts parsed at the engine's priority were the probe's longest stalls of other streams)."""
+    from specfleet.server.schemas import CompletionRequest
+
+    seen: list[tuple[str, int]] = []
+    real = CompletionRequest.model_validate_json.__func__
+
+    def parse(cls, body, *a, **kw):
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(cls, body, *a, **kw)
+
+    monkeypatch.setattr(CompletionRequest, "model_validate_json", classmethod(parse))
+    r = client.post("/v1/completions", json={"prompt": "Say it:", "max_tokens": 1, "temperature": 0,
+                                             "user": "x" * (LARGE_BODY_BYTES + 10)})
+    assert r.status_code == 200, r.text
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen and seen[-1][0].startswith("specfleet-parse") and seen[-1][1] >= min(19, own + 1), seen
