@@ -144,6 +144,7 @@ class FleetProposer:
         self.num_steps = 0
         self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
         self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
+        self.chosen_by_batch: dict[int, dict[str, int]] = {}  # batch size -> the same counts at that size
         self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
         self.overhead_s = {"decide": 0.0, "learn": 0.0}
 
@@ -199,6 +200,8 @@ class FleetProposer:
                 planned += len(best.tree)
             name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
             self.chosen[name] += 1
+            at = self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))
+            at[name] += 1
             per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
         for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
             if j in wanted:
@@ -418,4 +421,17 @@ class FleetProposer:
             "timed_steps": self.steps.num_observations,
             "acceptance_by_position": {m.name: [round(x, 3) for x in self.acceptance[j].by_position()]
                                        for j, m in enumerate(self.members)},
+            "by_batch": self._by_batch_report(max_nodes),
         }
+
+    def _by_batch_report(self, max_nodes: int) -> dict[str, dict]:
+        """Per batch size the fleet drafted at: its request steps, the shares of each choice there, the
+        step time it expects with no drafts and c(0..max_nodes) at that size (one request's nodes)."""
+        out = {}
+        for b, counts in sorted(self.chosen_by_batch.items()):
+            n = max(sum(counts.values()), 1)
+            out[str(b)] = {"request_steps": sum(counts.values()),
+                           "share": {k: round(v / n, 4) for k, v in counts.items() if v},
+                           "step_s": self.steps.step_time(b, 0) if self.steps.measured else None,
+                           "c": [round(x, 4) for x in self.steps.c(max_nodes, b)] if self.steps.measured else None}
+        return out
