@@ -46,6 +46,9 @@ class RunConfig:
     # after its timed waves, replay every row of this many prompts per specfleet system (untimed) as plain
     # decode steps (bench/rowcheck.py), so a figure never comes from a run whose rows broke losslessness
     rowcheck_prompts: int = 0
+    # build every system afresh for each batch size (its own warm-up), so a draft that remembers past outputs
+    # (suffix decoding's shared trie) or a prefix cache cannot replay the earlier batch size's run of the same prompts
+    fresh_per_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ def _streams_part() -> RunConfig:
     return RunConfig(name="humaneval-streams", systems=("specfleet:none", f"specfleet:{FLEET}",
                                                         f"specfleet:{FLEET_PLUS_05B}"),
                      dataset="humaneval", num_prompts=8, max_prompt_tokens=512, max_tokens=96, batch_sizes=STREAMS,
-                     quantization="gguf", rounds=2)
+                     quantization="gguf", rounds=2, fresh_per_batch=True)
 
 
 def _streams_checks() -> tuple[Check, ...]:
