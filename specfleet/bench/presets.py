@@ -46,6 +46,9 @@ class RunConfig:
     # after its timed waves, replay every row of this many prompts per specfleet system (untimed) as plain
     # decode steps (bench/rowcheck.py), so a figure never comes from a run whose rows broke losslessness
     rowcheck_prompts: int = 0
+    # build every system afresh for each batch size (its own warm-up), so a draft that remembers past outputs
+    # (suffix decoding's shared trie) or a prefix cache cannot replay the earlier batch size's run of the same prompts
+    fresh_per_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,26 @@ def _cross_checks() -> tuple[Check, ...]:
                  for m in _CROSS_SYSTEMS[:-1])
 
 
+# the fleet at 1, 4 and 8 concurrent streams (waves of that many requests decoding together): speculation must
+# never cost more than it gains at any batch size, so the default fleet and the fleet that also holds the 0.5B
+# are each held to >= 0.97x plain decoding at every batch size
+FLEET_PLUS_05B = "fleet(suffix,prompt-lookup,qwen-0.5b)"
+STREAMS = (1, 4, 8)
+
+
+def _streams_part() -> RunConfig:
+    return RunConfig(name="humaneval-streams", systems=("specfleet:none", f"specfleet:{FLEET}",
+                                                        f"specfleet:{FLEET_PLUS_05B}"),
+                     dataset="humaneval", num_prompts=8, max_prompt_tokens=512, max_tokens=96, batch_sizes=STREAMS,
+                     quantization="gguf", rounds=2, fresh_per_batch=True)
+
+
+def _streams_checks() -> tuple[Check, ...]:
+    return tuple(Check(f"humaneval-streams: {fleet} >= 0.97x plain at {b} streams", "humaneval-streams",
+                       (f"specfleet:{fleet}", b), ("specfleet:none", b), "throughput_tok_s", 0.97)
+                 for fleet in (FLEET, FLEET_PLUS_05B) for b in STREAMS)
+
+
 def _fleet_checks(part: str, floor: float) -> tuple[Check, ...]:
     fleet = (f"specfleet:{FLEET}", 1)
     checks = [Check(f"{part}: the fleet >= {floor}x native autoregressive", part, fleet, ("specfleet:none", 1),
@@ -350,12 +373,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "the n-gram model, and llama.cpp on the same file: 10 HumanEval prompts and 10 ShareGPT first turns "
            "(chat template), 96 new tokens, greedy and temperature 0.7 / top-p 0.9, batch 1, two rounds in "
            "alternating order; a fifth part (humaneval-cross) puts the drafts of other model families (SmolLM2-135M, "
-           "Gemma-3-270M, through text) and a selector over them beside the same-vocabulary ones",
+           "Gemma-3-270M, through text) and a selector over them beside the same-vocabulary ones; a sixth "
+           "(humaneval-streams) runs plain, the default fleet and the fleet with the 0.5B at 1, 4 and 8 concurrent "
+           "streams (8 HumanEval prompts, 96 greedy tokens, two rounds), each fleet >= 0.97x plain at every count",
            (_fleet_part("humaneval", "humaneval", 0.0), _fleet_part("sharegpt", "sharegpt", 0.0),
             _fleet_part("humaneval-t0.7", "humaneval", 0.7), _fleet_part("sharegpt-t0.7", "sharegpt", 0.7),
-            _cross_part()),
+            _cross_part(), _streams_part()),
            _fleet_checks("humaneval", 1.8) + _fleet_checks("sharegpt", 1.3) + _fleet_checks("humaneval-t0.7", 1.3)
-           + _fleet_checks("sharegpt-t0.7", 0.97) + _cross_checks()
+           + _fleet_checks("sharegpt-t0.7", 0.97) + _cross_checks() + _streams_checks()
            + (Check("humaneval: the fleet >= 1.5x llama.cpp autoregressive", "humaneval", (f"specfleet:{FLEET}", 1),
                     ("llamacpp", 1), "throughput_tok_s", 1.5),),
            expected_duration="about 2-2.5 hours on 2 CPU cores at full size (--parts humaneval and --rounds 1 for "

@@ -162,23 +162,26 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
         if spec.kind == "llamacpp" and not llamacpp.available(spec):
             _skip_llamacpp(spec, cfg, timed, bar, len(prompt_ids))
             continue
-        system = _build(spec, cfg, pool, eos, pad)
-        system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
-                                            "settings": system.notes})
-        bar.set_postfix_str(f"{spec.label}: warm-up")
-        system.generate([warmup_ids(prompt_ids[0])], replace(settings, max_tokens=min(8, settings.max_tokens)))
-        if cfg.micro:  # prefill at fixed lengths, c(k), memory: once per system and round
-            system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
-        for b in cfg.batch_sizes:
-            timed.run(system, b, prompts, prompt_ids, settings, bar)
-        if cfg.rowcheck_prompts and spec.kind == "specfleet":
-            bar.set_postfix_str(f"{spec.label}: per-row check")
-            timed.rowcheck(system, prompt_ids[:cfg.rowcheck_prompts], settings)
-        state = system.strategy_state() if hasattr(system, "strategy_state") else {}
-        if state:  # once per system and round, after all its waves
-            system_info[spec.label].setdefault("strategy_state", []).append(state)
-        system.close()
-        del system
+        # one system for all batch sizes, or (fresh_per_batch) one per batch size
+        for sizes in ([(b,) for b in cfg.batch_sizes] if cfg.fresh_per_batch else [tuple(cfg.batch_sizes)]):
+            system = _build(spec, cfg, pool, eos, pad)
+            system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
+                                                "settings": system.notes})
+            bar.set_postfix_str(f"{spec.label}: warm-up")
+            system.generate([warmup_ids(prompt_ids[0])], replace(settings, max_tokens=min(8, settings.max_tokens)))
+            if cfg.micro and sizes[0] == cfg.batch_sizes[0]:  # prefill, c(k), memory: once per system and round
+                system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
+            for b in sizes:
+                timed.run(system, b, prompts, prompt_ids, settings, bar)
+            if cfg.rowcheck_prompts and spec.kind == "specfleet" and sizes[-1] == cfg.batch_sizes[-1]:
+                bar.set_postfix_str(f"{spec.label}: per-row check")
+                timed.rowcheck(system, prompt_ids[:cfg.rowcheck_prompts], settings)
+            state = system.strategy_state() if hasattr(system, "strategy_state") else {}
+            if state:  # once per system, round (and batch size when fresh_per_batch), after its waves
+                system_info[spec.label].setdefault("strategy_state", []).append(
+                    {"batch_sizes": list(sizes), **state} if cfg.fresh_per_batch else state)
+            system.close()
+            del system
     system_info = [system_info[s.label] for s in specs if s.label in system_info]
     pool.keep_only(set())
     bar.close()

@@ -74,10 +74,16 @@ class FleetConfig:
     decay: float = 0.99  # forgetting of acceptance counts per observation of a cell
     shrink: float = 2.0  # pseudo-observations pulling a context's estimate to the pooled one
     window: int = 256  # timed steps kept for the linear fits
+    # a forced re-measurement of an expensive member skips a request whose catch-up (its prompt, a long absence)
+    # would cost more than this share of a plain step per token the request may still generate: an exploring
+    # call is pure cost until the member is chosen, so it must stay well inside the 0.97x-of-plain floor
+    explore_budget: float = 0.02
 
     def validate(self) -> None:
-        if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4:
-            raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4")
+        if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
+                or self.explore_budget < 0:
+            raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
+                                      "explore_budget >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -144,6 +150,7 @@ class FleetProposer:
         self.num_steps = 0
         self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
         self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
+        self.chosen_by_batch: dict[int, dict[str, int]] = {}  # batch size -> the same counts at that size
         self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
         self.overhead_s = {"decide": 0.0, "learn": 0.0}
 
@@ -199,6 +206,8 @@ class FleetProposer:
                 planned += len(best.tree)
             name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
             self.chosen[name] += 1
+            at = self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))
+            at[name] += 1
             per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
         for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
             if j in wanted:
@@ -279,15 +288,18 @@ class FleetProposer:
     def _costly_catch_up(self, r, j: int) -> bool:
         """Whether calling member j for `r` would first mean a catch-up (a new request's prompt, a long
         absence) whose known cost, spread over the tokens the request may still generate, exceeds a
-        tenth of a plain step each: a forced re-measurement does not pay for that (a call the estimates
-        choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
-        prompt prefill each, 10 % of the fleet's time (benchmarks/RESULTS.md, the fleet preset); with a long horizon
-        ahead the re-measurement stays cheap and keeps an early, pessimistic estimate from sticking."""
+        `explore_budget` (0.02) of a plain step each: a forced re-measurement does not pay for that (a call the
+        estimates choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
+        prompt prefill each, 10 % of the fleet's time (benchmarks/RESULTS.md, the fleet preset); on 8 HumanEval
+        prompts x 96 tokens at one stream (Zen 5, 2 cores) a budget of a tenth still let every request's ~150-token
+        prompt be fed to the 0.5B (7 ms a token, ~11 ms per remaining token against a 12 ms tenth of a step) and
+        the fleet holding the 0.5B ran at 0.73x plain. With a long horizon ahead the re-measurement stays cheap
+        and keeps an early, pessimistic estimate from sticking."""
         gap = self._gap(r, j)
         if not self.catch_up[j].tokens or gap <= self._far(j) or not self.steps.measured:
             return False
         per_step = self.catch_up[j].seconds(gap - 1) / remaining_tokens(r)
-        return per_step > 0.1 * self.steps.share(self._last_batch)
+        return per_step > self.config.explore_budget * self.steps.share(self._last_batch)
 
     def _catch_up(self, j: int, requests: list) -> None:
         """Bring member j's cache up to the committed tokens of the requests far behind, timed apart from
@@ -418,4 +430,17 @@ class FleetProposer:
             "timed_steps": self.steps.num_observations,
             "acceptance_by_position": {m.name: [round(x, 3) for x in self.acceptance[j].by_position()]
                                        for j, m in enumerate(self.members)},
+            "by_batch": self._by_batch_report(max_nodes),
         }
+
+    def _by_batch_report(self, max_nodes: int) -> dict[str, dict]:
+        """Per batch size the fleet drafted at: its request steps, the shares of each choice there, the
+        step time it expects with no drafts and c(0..max_nodes) at that size (one request's nodes)."""
+        out = {}
+        for b, counts in sorted(self.chosen_by_batch.items()):
+            n = max(sum(counts.values()), 1)
+            out[str(b)] = {"request_steps": sum(counts.values()),
+                           "share": {k: round(v / n, 4) for k, v in counts.items() if v},
+                           "step_s": self.steps.step_time(b, 0) if self.steps.measured else None,
+                           "c": [round(x, 4) for x in self.steps.c(max_nodes, b)] if self.steps.measured else None}
+        return out

@@ -162,6 +162,30 @@ def test_bench_rounds_alternate_the_order_and_pool_every_round(tiny_pair, tmp_pa
                        "--out", str(tmp_path / "o"), "--systems", "ar"]) == 2
 
 
+def test_fresh_per_batch_builds_each_system_once_per_batch_size(tiny_pair, tmp_path, monkeypatch):
+    """fresh_per_batch (the fleet preset's streams part): every batch size gets its own build and warm-up, so a
+    suffix draft's shared trie never holds an earlier batch size's outputs of the same prompts; the fleet's state
+    is kept per batch size."""
+    import specfleet.bench.runner as runner
+    from specfleet.bench.presets import Preset, RunConfig
+
+    target, _ = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nhow are you today?\n")
+    built = []
+    real_build = runner._build
+    monkeypatch.setattr(runner, "_build", lambda spec, *a: built.append(spec.label) or real_build(spec, *a))
+    fleet = "specfleet:fleet(suffix,prompt-lookup)"
+    cfg = RunConfig(name="p", model=str(target), systems=("ar", fleet), dataset=f"file:{prompts}", num_prompts=2,
+                    batch_sizes=(1, 2), max_tokens=5, dtype="float32", ignore_eos=True, fresh_per_batch=True)
+    part = runner.run_preset(Preset("t", "", (cfg,)), progress=False)["parts"][0]
+    assert built == ["ar", "ar", fleet, fleet]
+    state = next(s for s in part["systems"] if s["label"] == fleet)["strategy_state"]
+    assert [s["batch_sizes"] for s in state] == [[1], [2]]
+    rows = {(s["system"], s["batch_size"]): s for s in part["summaries"]}
+    assert rows[(fleet, 1)]["baseline_match_rate"] == rows[(fleet, 2)]["baseline_match_rate"] == 1.0
+
+
 def test_bench_cli_errors(tiny_pair, tmp_path, capsys):
     target, _ = tiny_pair
     prompts = tmp_path / "p.txt"

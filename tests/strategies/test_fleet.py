@@ -273,6 +273,41 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     assert model.calls == 1
 
 
+def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.05, max_tokens=1000):
+    """Requests one after another (one stream), each `steps` steps, on a target whose step costs 1 + 0.6 per node;
+    a model draft that does not pay (2 steps per drafted token) and whose cache is fed `catch_up` steps a token."""
+    clock = Clock()
+    model = CachedDraft("model", clock, 0.9, 2.0, k=4, weights=True, seed=2, per_gap=catch_up)
+    cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_budget=explore_budget), clock=clock)
+    for i in range(requests):
+        r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
+        r.params.max_tokens = max_tokens
+        for _ in range(steps):
+            trees = fleet.propose([r])
+            clock.now += 1.0 + 0.6 * sum(len(t) for t in trees.values())
+            tree = trees.get(r.request_id)
+            want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
+            hit = sorted(matched_nodes(tree, want)) if tree is not None else []
+            emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
+            r.tokens += emitted
+            fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+        fleet.release(r.request_id)
+    return fleet, model
+
+
+def test_forced_re_measurements_stay_inside_the_explore_budget():
+    """One stream of requests with 1000-token prompts; the model never pays. Feeding it a new request's prompt
+    costs 0.05 plain steps per token the request may still generate: the old budget (a tenth of a step) let the
+    forced re-measurements feed every new request's prompt (50 steps each, +50 % on a 100-step request), the
+    budget (0.02 by default) feeds only the first, which measures the catch-up cost."""
+    fleet, model = _one_stream(0.02)
+    assert set(model.cached) == {"r0"}, sorted(model.cached)
+    assert fleet.chosen["plain"] > 0.9 * fleet.num_request_steps
+    _, model = _one_stream(0.1)  # the old rule
+    assert len(model.cached) > 1
+
+
 def test_no_speculation_when_nothing_pays():
     fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6)
     assert share["plain"] > 0.9, share
