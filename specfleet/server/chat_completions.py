@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.server import serving, tools
 from specfleet.server.context import Choice, ServerContext
-from specfleet.server.responses import ChoiceOut, DeltaText, TokenText, lp_value, now, usage, with_spec
+from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value, now, response_body, usage
 from specfleet.server.schemas import ChatCompletionRequest
 from specfleet.server.streaming import Chunk, collect, stream_response
 
@@ -39,17 +39,10 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
             return stream_response(ctx, "chat", response_id, created, "chat.completion.chunk", req, choices,
                                    [shape.stream_state(c) for c in choices])
         outs = await collect(ctx, "chat", request, choices)
-        return JSONResponse(chat_body(response_id, created, ctx.config.model_name,
-                                      [shape.final(c, out) for c, out in zip(choices, outs)], usage(outs, req.n)))
+        return JSONResponse(response_body("chat.completion", response_id, created, ctx.config.model_name,
+                                          [shape.final(c, out) for c, out in zip(choices, outs)],
+                                          usage(outs, req.n)))
     return await ctx.run("chat", request, handle)
-
-
-def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceOut],
-              usage_: dict[str, int]) -> dict[str, Any]:
-    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, **c.fields, "finish_reason": c.finish_reason} for c in choices],
-            "usage": usage_}
-    return with_spec(body, choices)
 
 
 def chat_logprobs(texts: TokenText, entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -96,13 +89,7 @@ class ChatShape:
         return ChatStream(self, c)
 
 
-class ChatStream:
-    def __init__(self, shape: ChatShape, c: Choice):
-        self.shape, self.c = shape, c
-        self.deltas = DeltaText(c.params.stop)
-        self.skip_tokens = 0
-        self.num_scored = 0
-
+class ChatStream(StreamState):
     def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         lp = self.shape.logprobs(out, slice(self.num_scored, len(out.token_ids)))
         self.num_scored = len(out.token_ids)

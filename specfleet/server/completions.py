@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.server.context import Choice, ServerContext
-from specfleet.server.responses import ChoiceOut, DeltaText, TokenText, lp_value, now, usage, with_spec
+from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value, now, response_body, usage
 from specfleet.server.schemas import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from specfleet.server.streaming import Chunk, collect, stream_response
 
@@ -37,9 +37,9 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
             return stream_response(ctx, "completions", response_id, created, "text_completion", req, choices,
                                    [shape.stream_state(c) for c in choices])
         outs = await collect(ctx, "completions", request, choices)
-        return JSONResponse(completion_body(response_id, created, ctx.config.model_name,
-                                            [shape.final(c, out) for c, out in zip(choices, outs)],
-                                            usage(outs, req.n, shape.skip_tokens)))
+        return JSONResponse(response_body("text_completion", response_id, created, ctx.config.model_name,
+                                          [shape.final(c, out) for c, out in zip(choices, outs)],
+                                          usage(outs, req.n, shape.skip_tokens)))
     return await ctx.run("completions", request, handle)
 
 
@@ -47,14 +47,6 @@ def prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> 
     if isinstance(prompt, str):
         return prompt
     return ctx.llm.tokenizer.decode(ids) if ctx.llm.tokenizer is not None else ""
-
-
-def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceOut],
-                    usage_: dict[str, int]) -> dict[str, Any]:
-    body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": c.index, **c.fields, "finish_reason": c.finish_reason} for c in choices],
-            "usage": usage_}
-    return with_spec(body, choices)
 
 
 def completion_logprobs(texts: TokenText, entries: list[TokenLogprob | None], token_ids: list[int],
@@ -110,13 +102,10 @@ class CompletionShape:
         return CompletionStream(self, c)
 
 
-class CompletionStream:
+class CompletionStream(StreamState):
     def __init__(self, shape: CompletionShape, c: Choice):
-        self.shape, self.c = shape, c
-        self.deltas = DeltaText(c.params.stop)
-        self.skip_tokens = shape.skip_tokens
+        super().__init__(shape, c, shape.skip_tokens)
         self.echoed = not shape.req.echo
-        self.num_scored = 0  # generated tokens whose logprobs were sent
         self.offset = 0  # text_offset of the next token
 
     def chunks(self, out: RequestOutput) -> list[Chunk]:

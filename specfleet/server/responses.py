@@ -16,6 +16,17 @@ from typing import Any
 from specfleet.outputs import RequestOutput
 
 
+class StreamState:
+    """One choice's stream (an endpoint's subclass makes its chunks): its shape, what of its text was sent,
+    the tokens to skip (a completion's echoed prompt) and how many generated tokens were scored."""
+
+    def __init__(self, shape: Any, c: Any, skip_tokens: int = 0):
+        self.shape, self.c = shape, c
+        self.deltas = DeltaText(c.params.stop)
+        self.skip_tokens = skip_tokens
+        self.num_scored = 0
+
+
 class DeltaText:
     """Turns cumulative texts into safe-to-send deltas (see the module docstring)."""
 
@@ -129,6 +140,15 @@ class ChoiceOut:
     out: RequestOutput
     fields: dict[str, Any]
     finish_reason: str | None
+
+
+def response_body(obj: str, response_id: str, created: int, model: str, choices: list[ChoiceOut],
+                  usage_: dict[str, int]) -> dict[str, Any]:
+    """A whole (not streamed) response of either endpoint: `obj` is "text_completion" or "chat.completion"."""
+    body = {"id": response_id, "object": obj, "created": created, "model": model,
+            "choices": [{"index": c.index, **c.fields, "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage_}
+    return with_spec(body, choices)
 
 
 def with_spec(body: dict[str, Any], choices: list[ChoiceOut]) -> dict[str, Any]:
