@@ -6,7 +6,8 @@ Starts `specfleet serve smollm2-135m-instruct` on 127.0.0.1 (loopback only), let
 request decode alone (its longest and 99th-percentile inter-token gaps: the idle values), then runs it
 again while a hostile client sends, one after another:
   - a completion with a 900,000-id stop_token_ids list and n=64 (1.8 MB body);
-  - a completion constrained by a 1.3 MB regex (a literal of random letters: it compiles, in about 1.6 s);
+  - a completion constrained by a 1.3 MB regex (a literal of random letters; over the server's bound on a
+    constraint's text; with --regex-at-bound also one by a 60 KB regex, under it: it compiles);
   - 8 completions with 2 MB prompts at once (the server runs with a 3 MB body limit so they get in);
   - 40 completions, each with a distinct 190 KB JSON schema.
 It reports each attack's status and time, the steady stream's gaps under attack against idle (and which
@@ -88,17 +89,21 @@ def timed_gaps(times: list[float]) -> list[tuple[float, float]]:
     return [(b, b - a) for a, b in zip(times[1:], times[2:])]
 
 
-def attack_bodies() -> list[tuple[str, bytes]]:
+def attack_bodies(regex_at_bound: bool = False) -> list[tuple[str, bytes]]:
     """Every hostile body, serialized before the attack starts (the client's own CPU time is not the
     server's): (name, JSON bytes)."""
     def raw(body: dict) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode()
 
-    letters = random.Random(0).choices("abcdefghij", k=1_300_000)  # a regex that compiles (1.6 s here)
+    letters = random.Random(0).choices("abcdefghij", k=1_300_000)  # over the bound on a regex: refused (a 400)
     bodies = [("stop_token_ids 900k, n=64", raw({"prompt": "Hi", "max_tokens": 8, "n": 64, "temperature": 1,
                                                  "stop_token_ids": [7] * 900_000})),
               ("regex 1.3 MB", raw({"prompt": "Say a word:", "max_tokens": 4, "temperature": 0,
                                     "structured_outputs": {"regex": "".join(letters)}}))]
+    if regex_at_bound:  # just under the server's bound on a regex's text: it compiles (off the engine thread),
+        # and its per-token masks, computed on the engine thread, are the dearest a client can ask for
+        bodies.append(("regex 60 KB", raw({"prompt": "Say a word:", "max_tokens": 4, "temperature": 0,
+                                           "structured_outputs": {"regex": "".join(letters[:60_000])}})))
     prompt = ("lorem ipsum " * 180_000)[:2_000_000]
     bodies += [(f"prompt 2 MB #{i}", raw({"prompt": prompt, "max_tokens": 1})) for i in range(8)]
     for i in range(40):
@@ -191,6 +196,8 @@ def main() -> int:
     ap.add_argument("--idle-rounds", type=int, default=4, help="steady streams measured before the attack")
     ap.add_argument("--long-tokens", type=int, default=4400, help="the long prompt of the TTFT phase (0: skip)")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds the attack phase may take in all")
+    ap.add_argument("--regex-at-bound", action="store_true",
+                    help="also send a 60 KB regex, just under the server's bound (it compiles and is served)")
     args = ap.parse_args()
     from specfleet.bench.report import md_table, result_path, run_metadata, write_folder
 
@@ -212,7 +219,7 @@ def main() -> int:
         # GIL) the reader whose timestamps are the measurement
         ctx = multiprocessing.get_context("fork")
         channel = ctx.Queue()
-        attacker = ctx.Process(target=attack_process, args=(base, attack_bodies(), channel), daemon=True)
+        attacker = ctx.Process(target=attack_process, args=(base, attack_bodies(args.regex_at_bound), channel), daemon=True)
         busy: list[float] = []
         busy_at: list[tuple[float, float]] = []
         t0 = time.monotonic()

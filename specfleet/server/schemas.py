@@ -36,6 +36,12 @@ MAX_STOP_CHARS = 4096
 MAX_STOPS = 256  # stop strings (each is searched for in every new token's text)
 MAX_LOGIT_BIAS = 1024  # entries (refused anyway unless empty; bounded so a refusal is cheap too)
 MAX_TOOLS = 128  # tool definitions, as at OpenAI
+# An output constraint's text. Compiling one costs the server's CPU about a second per megabyte, beside every
+# other stream, and a regex's or grammar's text also sets what each token's mask costs on the engine thread
+# (a literal regex: about 0.25 ms per thousand characters per token on a Zen 5 core, measured), so those are
+# bounded more tightly than choices and JSON schemas (whose masks stayed cheap at 190 KB in the isolation probe).
+MAX_CONSTRAINT_CHARS = 512 * 1024  # the choices together, a JSON schema as compact JSON
+MAX_PATTERN_CHARS = 64 * 1024  # a regex's or a grammar's text
 MAX_UNKNOWN_FIELDS = 64  # distinct unknown field names one request may carry
 
 # max_tokens when a /v1/completions request omits it, as at OpenAI and vLLM; chat requests have no
@@ -317,10 +323,35 @@ class _SamplingFields(_Strict):
         return found[0][1] if found else None
 
 
+def _constraint_chars(fields: dict[str, Any]) -> int:
+    """The length of a constraint's text: a regex's or grammar's characters, the choices' in all, a JSON
+    schema's as compact JSON (stopping once past the bound)."""
+    size = 0
+    for key in ("regex", "grammar"):
+        if isinstance(fields.get(key), str):
+            size += len(fields[key])
+    for choice in fields.get("choice") or ():
+        size += len(choice) if isinstance(choice, str) else 0
+    if fields.get("json") is not None:
+        try:
+            size += len(json.dumps(fields["json"], separators=(",", ":"), ensure_ascii=False))
+        except (TypeError, ValueError, RecursionError):
+            pass  # not JSON: StructuredOutputsParams says why
+    return size
+
+
 def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
     """A StructuredOutputsParams, or a 400 naming `param` (its checks: one kind, the right types)."""
     if "choice" in fields and fields["choice"] is not None:
         fields["choice"] = tuple(fields["choice"])
+    for key in ("regex", "grammar"):
+        if isinstance(fields.get(key), str) and len(fields[key]) > MAX_PATTERN_CHARS:
+            raise UnsupportedError(param, f"the {key} is {len(fields[key])} characters long; at most "
+                                          f"{MAX_PATTERN_CHARS} are allowed")
+    size = _constraint_chars(fields)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise UnsupportedError(param, f"the output constraint is {size} characters long; at most "
+                                      f"{MAX_CONSTRAINT_CHARS} are allowed")
     try:
         return StructuredOutputsParams(**fields)
     except InvalidRequestError as e:

@@ -83,6 +83,31 @@ def test_other_lists_a_client_sends_are_bounded(client):
     assert r.status_code == 400 and error(r)["param"] == "tools" and "at most 128" in error(r)["message"]
 
 
+
+def test_an_output_constraints_text_is_bounded(client, monkeypatch):
+    """A regex or grammar longer than MAX_PATTERN_CHARS, choices or a schema longer than MAX_CONSTRAINT_CHARS, is a
+    400 naming the field, refused before anything compiles (a 500 KB regex held every other stream 0.2 s a token)."""
+    from specfleet.server import schemas
+
+    compiled = []
+    monkeypatch.setattr(GrammarCompiler, "_build", lambda self, spec: compiled.append(spec))
+    big = "a" * (schemas.MAX_CONSTRAINT_CHARS + 1)
+    pattern = "a" * (schemas.MAX_PATTERN_CHARS + 1)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "x" * 1000} for i in range(600)}}
+    for param, body in (("structured_outputs", completion(structured_outputs={"regex": pattern})),
+                        ("guided_regex", completion(guided_regex=pattern)),
+                        ("guided_grammar", completion(guided_grammar="start: " + pattern)),
+                        ("guided_choice", completion(guided_choice=[big[:300_000], big[:300_000]])),
+                        ("response_format.json_schema", chat(response_format={
+                            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}))):
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = client.post(url, json=body)
+        assert r.status_code == 400, (param, r.text)
+        bound = schemas.MAX_CONSTRAINT_CHARS if "choice" in param or "json" in param else schemas.MAX_PATTERN_CHARS
+        assert error(r)["param"] == param and f"at most {bound} are allowed" in error(r)["message"], r.text
+    assert compiled == []
+    assert client.post("/v1/completions", json=completion(max_tokens=2)).status_code == 200  # still serving
+
 # -- 4: admission before tokenization ---------------------------------------------------------------
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(client, llm, monkeypatch):
     seen: list[int] = []
