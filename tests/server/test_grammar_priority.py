@@ -45,11 +45,13 @@ def test_a_large_requests_grammar_compiles_at_idle_priority_and_a_small_ones_doe
         return real_build(self, spec)
 
     monkeypatch.setattr(GrammarCompiler, "_build", build)
-    letters = "".join("abcdefghij"[i % 10] for i in range(LARGE_BODY_BYTES + 1000))  # a literal: compiles fast
-    r = client.post("/v1/completions", json={"prompt": "Say it:", "max_tokens": 2, "temperature": 0,
-                                             "structured_outputs": {"regex": letters}})
+    # a large schema (long descriptions: a big body, a grammar that compiles fast), under the server's bounds
+    schema = {"type": "object", "properties": {f"k{j}": {"type": "string", "description": "x" * 4000}
+                                               for j in range(LARGE_BODY_BYTES // 4000 + 2)}}
+    r = client.post("/v1/completions", json={"prompt": "JSON:", "max_tokens": 2, "temperature": 0,
+                                             "structured_outputs": {"json": schema}})
     assert r.status_code == 200, r.text
-    assert seen and seen[-1][1] == os.SCHED_IDLE, f"a {len(letters)}-character regex compiled on {seen}"
+    assert seen and seen[-1][1] == os.SCHED_IDLE, f"a {len(str(schema))}-character schema compiled on {seen}"
     del seen[:]
     r = client.post("/v1/completions", json={"prompt": "Yes or no?", "max_tokens": 2, "temperature": 0,
                                              "structured_outputs": {"regex": "(yes|no)"}})
