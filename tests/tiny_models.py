@@ -64,6 +64,25 @@ def perturbed_copy(model: DecoderLM, scale: float, seed: int = 0) -> DecoderLM:
     return draft
 
 
+class LetterTokenizer:
+    """A tokenizer for tiny random models: token t is one letter, so every token is a chunk of text (a stream
+    yields each one)."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) - ord("a") for c in text if "a" <= c <= "z"]
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise NotImplementedError  # no chat here
+
+    def convert_ids_to_tokens(self, ids):
+        return self.decode([ids]) if isinstance(ids, int) else [self.decode([t]) for t in ids]
+
+
 def random_prompts(lengths: list[int], vocab: int = 97, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.server import serving, tools
 from specfleet.server.context import Choice, ServerContext
-from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value, now, response_body, usage
+from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value
 from specfleet.server.schemas import ChatCompletionRequest
-from specfleet.server.streaming import Chunk, collect, stream_response
+from specfleet.server.streaming import Chunk, reply
 
 
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
@@ -33,15 +33,8 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
             parse_tools = tool_defs is not None and chat.tool_parser() is not None
             response_id, choices = await ctx.admit([ids], req, req.requested_max_tokens(), "chatcmpl",
                                                    large=getattr(request.state, "large", False))
-        created = now()
-        shape = ChatShape(req, ctx.token_text, parse_tools)
-        if req.stream:
-            return stream_response(ctx, "chat", response_id, created, "chat.completion.chunk", req, choices,
-                                   [shape.stream_state(c) for c in choices])
-        outs = await collect(ctx, "chat", request, choices)
-        return JSONResponse(response_body("chat.completion", response_id, created, ctx.config.model_name,
-                                          [shape.final(c, out) for c, out in zip(choices, outs)],
-                                          usage(outs, req.n)))
+        return await reply(ctx, "chat", request, req, response_id, choices,
+                           ChatShape(req, ctx.token_text, parse_tools), "chat.completion", "chat.completion.chunk")
     return await ctx.run("chat", request, handle)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from specfleet.outputs import RequestOutput, TokenLogprob
 from specfleet.server.context import Choice, ServerContext
-from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value, now, response_body, usage
+from specfleet.server.responses import ChoiceOut, StreamState, TokenText, lp_value
 from specfleet.server.schemas import DEFAULT_COMPLETION_TOKENS, CompletionRequest
-from specfleet.server.streaming import Chunk, collect, stream_response
+from specfleet.server.streaming import Chunk, reply
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
@@ -31,15 +31,8 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
                 if req.echo else None  # (decoding a token prompt is tokenizer work too: off the event loop)
             response_id, choices = await ctx.admit(ids, req, req.max_tokens, "cmpl", DEFAULT_COMPLETION_TOKENS,
                                                    texts, large=getattr(request.state, "large", False))
-        created = now()
-        shape = CompletionShape(req, ctx.token_text)
-        if req.stream:
-            return stream_response(ctx, "completions", response_id, created, "text_completion", req, choices,
-                                   [shape.stream_state(c) for c in choices])
-        outs = await collect(ctx, "completions", request, choices)
-        return JSONResponse(response_body("text_completion", response_id, created, ctx.config.model_name,
-                                          [shape.final(c, out) for c, out in zip(choices, outs)],
-                                          usage(outs, req.n, shape.skip_tokens)))
+        return await reply(ctx, "completions", request, req, response_id, choices,
+                           CompletionShape(req, ctx.token_text), "text_completion", "text_completion")
     return await ctx.run("completions", request, handle)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from specfleet.engine.async_engine import RequestStream
@@ -151,6 +151,22 @@ async def collect(ctx: ServerContext, endpoint: str, request: Request, choices: 
     for out in outs:
         ctx.metrics.observe_finished(endpoint, out)
     return outs
+
+
+
+async def reply(ctx: ServerContext, endpoint: str, request: Request, req: Any, response_id: str, choices: list[Choice],
+                shape: Any, obj: str, chunk_obj: str) -> Response:
+    """A generating endpoint's response: its choices streamed as `chunk_obj` events, or once every choice has
+    finished, the whole `obj` body. `shape` is the endpoint's: `stream_state(choice)`, `final(choice, output)`
+    and the prompt tokens its usage skips."""
+    created = responses.now()
+    if req.stream:
+        return stream_response(ctx, endpoint, response_id, created, chunk_obj, req, choices,
+                               [shape.stream_state(c) for c in choices])
+    outs = await collect(ctx, endpoint, request, choices)
+    return JSONResponse(responses.response_body(obj, response_id, created, ctx.config.model_name,
+                                                [shape.final(c, out) for c, out in zip(choices, outs)],
+                                                responses.usage(outs, req.n, shape.skip_tokens)))
 
 
 async def merged(choices: list[Choice], drain: Drain) -> AsyncIterator[tuple[int, RequestOutput]]:

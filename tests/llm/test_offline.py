@@ -7,7 +7,7 @@ import pytest
 from specfleet.errors import InvalidRequestError
 from specfleet.llm import LLM
 from specfleet.sampling_params import SamplingParams
-from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
+from tiny_models import LetterTokenizer, ours_from_hf, random_prompts, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -18,15 +18,6 @@ def mutated(**fields) -> SamplingParams:
     for k, v in fields.items():
         setattr(p, k, v)
     return p
-
-
-class LetterTokenizer:
-    """Token t is one letter: enough text for a stream to yield every token."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
 @pytest.fixture(scope="module")

@@ -26,28 +26,10 @@ from specfleet.llm import LLM
 from specfleet.sampling_params import SamplingParams
 from specfleet.server.app import ServerConfig, create_app
 from tests.server.test_async_engine import collect, engine_for, is_idle, slowed, until
-from tiny_models import ours_from_hf, random_prompts, run_to_completion, tiny_hf_model
+from tiny_models import LetterTokenizer, ours_from_hf, random_prompts, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-
-
-class LetterTokenizer:
-    """Token t is one letter."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + t % 26) for t in ids)
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) - ord("a") for c in text if "a" <= c <= "z"]
-
-    def apply_chat_template(self, messages, **kwargs):
-        raise NotImplementedError  # no chat here
-
-    def convert_ids_to_tokens(self, ids):
-        return self.decode(ids) if isinstance(ids, int) else [self.decode([t]) for t in ids]
 
 
 @pytest.fixture(scope="module")

@@ -19,31 +19,13 @@ import pytest
 
 from specfleet.llm import LLM
 from specfleet.server.app import ServerConfig, create_app
-from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
+from tiny_models import LetterTokenizer, ours_from_hf, random_prompts, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO and SIOCOUTQ are Linux's")
 uvicorn = pytest.importorskip("uvicorn")
 
 STALL_S = 1.5  # above the ~0.56 s between window updates of a small-buffered client reading every 0.2 s
 MAX_TOKENS = 400  # ~150 bytes of SSE a token: ~60 KB, which the socket buffers take whole
-
-
-class LetterTokenizer:
-    """Token t is one letter, so every token is a chunk of the stream."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + t % 26) for t in ids)
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) - ord("a") for c in text if "a" <= c <= "z"]
-
-    def apply_chat_template(self, messages, **kwargs):
-        raise NotImplementedError  # no chat here
-
-    def convert_ids_to_tokens(self, ids):
-        return self.decode([ids]) if isinstance(ids, int) else [self.decode([t]) for t in ids]
 
 
 @pytest.fixture(scope="module")

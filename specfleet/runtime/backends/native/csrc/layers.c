@@ -2,16 +2,6 @@
  * products, attention and rotary are fused_linear.c's and attention.c's). */
 #include "q_common.h"
 
-/* One decoder layer of a native model (runtime/model/decoder.py `_forward_native`): its four products, its
- * norms' weights and its KV cache. */
-typedef struct {
-    const sfq_part *qkv, *o, *gate_up, *down;
-    int64_t n_qkv, n_o, n_gate_up, n_down;
-    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
-    double eps1, eps2;
-    float *k_cache, *v_cache; /* [slots, KVH, D] */
-} sfq_layer;
-
 /* Every decoder layer over T rows of any kind (decode rows, prompt chunks, verification rows of a chain or
  * tree, level-drafted rows): per layer RMSNorm + q/k/v (+ bias), rotary + KV cache write at slots,
  * attention of each row over the keys the plan gives it (sf_key_plan), o product added to h, RMSNorm + gate/up, SiLU * up + down

@@ -223,6 +223,30 @@ typedef struct {
     const int64_t *slots, *base, *plen, *xoff, *nkeys, *extras;
 } sf_key_plan;
 
+/* The library's entry points that C callers other than ctypes use too (the test driver under qemu,
+ * tests/runtime/backends/native/csrc/sf_driver.c): declared once, here. */
+int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, const float *x,
+                       int64_t M, float *y, void *act, int num_threads);
+int64_t specfleet_q_act_row_bytes(int type, int64_t K);
+int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
+                     int64_t ldk, const int64_t *slots, const int64_t *base, const int64_t *plen, const int64_t *xoff,
+                     const int64_t *nkeys, const int64_t *extras, float scale, float *out, int64_t num_threads);
+/* One decoder layer of a native model (runtime/model/decoder.py `_forward_native`): its four products, its
+ * norms' weights and its KV cache. */
+typedef struct {
+    const sfq_part *qkv, *o, *gate_up, *down;
+    int64_t n_qkv, n_o, n_gate_up, n_down;
+    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
+    double eps1, eps2;
+    float *k_cache, *v_cache; /* [slots, KVH, D] */
+} sfq_layer;
+int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T, float *h, int64_t hidden,
+                            float *qkv, int64_t qkv_width, float *q, float *o, float *gu, int64_t inter, int64_t H,
+                            int64_t KVH, int64_t D, const int64_t *pos, const float *cos_t, const float *sin_t,
+                            const int64_t *slots, const int64_t *kslots, const int64_t *base, const int64_t *plen,
+                            const int64_t *xoff, const int64_t *nkeys, const int64_t *extras, float scale,
+                            int64_t num_threads);
+
 /* drivers shared between files */
 int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx, int64_t M,
                              int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate,

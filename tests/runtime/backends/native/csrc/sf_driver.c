@@ -21,26 +21,6 @@
 
 #include "q_common.h"
 
-int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, const float *x,
-                       int64_t M, float *y, void *act, int num_threads);
-int64_t specfleet_q_act_row_bytes(int type, int64_t K);
-int specfleet_attend(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
-                     int64_t ldk, const int64_t *slots, const int64_t *base, const int64_t *plen, const int64_t *xoff,
-                     const int64_t *nkeys, const int64_t *extras, float scale, float *out, int64_t num_threads);
-typedef struct {
-    const sfq_part *qkv, *o, *gate_up, *down;
-    int64_t n_qkv, n_o, n_gate_up, n_down;
-    const float *norm1, *norm2;
-    double eps1, eps2;
-    float *k_cache, *v_cache;
-} sfq_layer;
-int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T, float *h, int64_t hidden,
-                            float *qkv, int64_t qkv_width, float *q, float *o, float *gu, int64_t inter, int64_t H,
-                            int64_t KVH, int64_t D, const int64_t *pos, const float *cos_t, const float *sin_t,
-                            const int64_t *slots, const int64_t *kslots, const int64_t *base, const int64_t *plen,
-                            const int64_t *xoff, const int64_t *nkeys, const int64_t *extras, float scale,
-                            int64_t num_threads);
-
 #define MAXA 24
 #define MAXREC 4096
 
