@@ -6,6 +6,7 @@ from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.engine.engine import Engine
+from specfleet.sampling_params import SamplingParams
 from tiny_models import random_prompts
 
 LENGTHS = {1: [13], 3: [4, 19, 9], 8: [5, 17, 9, 30, 3, 12, 8, 21]}
@@ -33,6 +34,27 @@ def repetitive_prompts(lengths):
 
 def prompts_for(batch):
     return repetitive_prompts(LENGTHS[batch])
+
+
+def churn(eng, prompts, rng, abort_p=0.05, max_tokens=(1, 40), check=None, max_steps=None):
+    """Adds `prompts` as greedy and sampled requests mixed (temperature 0 or 0.8, seed i, max_tokens drawn from
+    the `max_tokens` range, EOS ignored) and steps `eng` until none is unfinished, aborting a random live
+    request with probability `abort_p` after each step, then calling `check()` (an invariant), if given; with
+    `max_steps` it fails past that many steps. Every draw comes from `rng`. Returns (requests, steps)."""
+    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(*max_tokens),
+                             ignore_eos=True) for i in range(len(prompts))]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        live = [r for r in reqs if not r.is_finished]
+        if live and rng.random() < abort_p:
+            eng.abort(rng.choice(live).request_id)
+        if check is not None:
+            check()
+        assert max_steps is None or steps < max_steps
+    return reqs, steps
 
 
 def proposers(draft):

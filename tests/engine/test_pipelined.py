@@ -13,7 +13,7 @@ from specfleet.engine.result_pool import (MicroBatchSearch, PipelineConfig, Pipe
                                      search_micro_batches)
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.core.tree import DraftTree
-from tiny_engines import LENGTHS, SMALL, engine_config, make_drafter, prompts_for
+from tiny_engines import LENGTHS, SMALL, churn, engine_config, make_drafter, prompts_for
 from tiny_models import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -101,18 +101,7 @@ def test_no_leak_under_preemption_aborts_and_sampling(target, draft):
     eng = PipelinedEngine(target, None, engine_config(target, 32, max_num_batched_tokens=24, max_num_seqs=6),
                           drafters=drafters, pipeline=PipelineConfig(num_micro_batches=2))
     prompts = [rng.sample(range(97), 1) * 3 + p for p in random_prompts([rng.randint(3, 27) for _ in range(24)])]
-    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40),
-                             ignore_eos=True) for i in range(24)]
-    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-        live = [r for r in reqs if not r.is_finished]
-        if live and rng.random() < 0.08:
-            eng.abort(rng.choice(live).request_id)
-        eng.blocks.check_invariant()
-        assert steps < 5000
+    reqs, _ = churn(eng, prompts, rng, abort_p=0.08, check=eng.blocks.check_invariant, max_steps=5000)
     eng.close()
     assert sum(r.num_preemptions for r in reqs) > 0, "the test must exercise preemption"
     assert any(r.finish_reason == "abort" for r in reqs)

@@ -20,7 +20,7 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig
 from specfleet.engine.result_pool import PipelineConfig
 from specfleet.drafting.remote import RemoteDraftSpec, remote_drafters
-from tiny_engines import engine_config, prompts_for
+from tiny_engines import churn, engine_config, prompts_for
 from tiny_models import perturbed_copy, random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -66,15 +66,7 @@ def test_remote_no_leak_with_sampling_preemption_and_aborts(target, workers):
     rng = random.Random(1)
     eng = PipelinedEngine(target, None, engine_config(target, 32, max_num_batched_tokens=24, max_num_seqs=6),
                           drafters=workers, pipeline=PipelineConfig(num_micro_batches=2))
-    prompts = random_prompts([rng.randint(3, 25) for _ in range(12)])
-    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(20, 30),
-                             ignore_eos=True) for i in range(12)]
-    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while eng.has_unfinished():
-        eng.step()
-        live = [r for r in reqs if not r.is_finished]
-        if live and rng.random() < 0.05:
-            eng.abort(rng.choice(live).request_id)
+    reqs, _ = churn(eng, random_prompts([rng.randint(3, 25) for _ in range(12)]), rng, max_tokens=(20, 30))
     eng.close()
     assert sum(r.num_preemptions for r in reqs) > 0
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks

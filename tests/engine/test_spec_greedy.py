@@ -5,7 +5,7 @@ import pytest
 
 from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
-from tiny_engines import LENGTHS, make_engine, proposers, repetitive_prompts
+from tiny_engines import LENGTHS, churn, make_engine, proposers, repetitive_prompts
 from tiny_models import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -48,19 +48,12 @@ def test_no_leak_under_preemption_aborts_and_random_acceptance(target, draft):
     proposer = DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=2, max_nodes=5,
                                                                    kv_cache_bytes=40 << 10))
     eng = make_engine(target, proposer, num_blocks=48, max_num_batched_tokens=24, max_num_seqs=6)
-    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(24)])
-    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40),
-                             ignore_eos=True) for i in range(24)]
-    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-        live = [r for r in reqs if not r.is_finished]
-        if live and rng.random() < 0.05:
-            eng.abort(rng.choice(live).request_id)
+
+    def check():
         eng.blocks.check_invariant()
         proposer.blocks.check_invariant()
+
+    reqs, steps = churn(eng, repetitive_prompts([rng.randint(3, 30) for _ in range(24)]), rng, check=check)
     assert steps > 10
     assert sum(r.num_preemptions for r in reqs) > 0, "the test must exercise preemption"
     assert any(r.finish_reason == "abort" for r in reqs)

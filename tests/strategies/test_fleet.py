@@ -17,7 +17,7 @@ from specfleet.core.tree import DraftTree
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from tests.engine.test_distribution import ALPHA, PARAMS, exact_joint, generate, one_thread, p_values, setup  # noqa: F401
-from tiny_engines import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, churn, make_engine, repetitive_prompts
 from tests.strategies.test_in_engine import GREEDY, assert_all_free, build_strategy
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
@@ -359,15 +359,7 @@ def test_fleet_no_leak_under_preemption_aborts_and_sampling(models):
     rng = random.Random(0)
     proposer = build_strategy("fleet[explore_every=3](d1,d2+ngram,prompt-lookup,ngram)", drafts)
     eng = make_engine(target, proposer, num_blocks=36, max_num_batched_tokens=24, max_num_seqs=6)
-    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(20)])
-    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40), ignore_eos=True)
-              for i in range(20)]
-    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while eng.has_unfinished():
-        eng.step()
-        live = [r for r in reqs if not r.is_finished]
-        if live and rng.random() < 0.05:
-            eng.abort(live[rng.randrange(len(live))].request_id)
+    reqs, _ = churn(eng, repetitive_prompts([rng.randint(3, 30) for _ in range(20)]), rng)
     assert sum(r.num_preemptions for r in reqs) > 0 and any(r.finish_reason == "abort" for r in reqs)
     assert_all_free(eng, proposer)
     assert not proposer._ctx and not proposer._seen  # per-request state forgotten

@@ -5,7 +5,7 @@ import pytest
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build
 from specfleet.core.proposer import leaves
-from tiny_engines import LENGTHS, make_engine, repetitive_prompts
+from tiny_engines import LENGTHS, churn, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -73,14 +73,6 @@ def test_no_leak_under_preemption_aborts_and_sampling(models):
     proposer = build_strategy("select[exploration_steps=2,chunk_steps=1](vote(d1,d2,prompt-lookup),d2+ngram,ngram)"
                               "+adaptive[decision_threshold=3]", drafts)
     eng = make_engine(target, proposer, num_blocks=36, max_num_batched_tokens=24, max_num_seqs=6)
-    prompts = repetitive_prompts([rng.randint(3, 30) for _ in range(20)])
-    params = [SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 40), ignore_eos=True)
-              for i in range(20)]
-    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while eng.has_unfinished():
-        eng.step()
-        live = [r for r in reqs if not r.is_finished]
-        if live and rng.random() < 0.05:
-            eng.abort(rng.choice(live).request_id)
+    reqs, _ = churn(eng, repetitive_prompts([rng.randint(3, 30) for _ in range(20)]), rng)
     assert sum(r.num_preemptions for r in reqs) > 0 and any(r.finish_reason == "abort" for r in reqs)
     assert_all_free(eng, proposer)
