@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import random
 import re
 import signal
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from specfleet.bench.startup import wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 
@@ -51,18 +52,8 @@ def start_server(port: int, log: Path) -> subprocess.Popen:
            "--no-access-log", "--log-level", "warning"]
     f = log.open("w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start in 240 s")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", 240, lambda: log.read_text()[-2000:], poll_s=0.5)
+    return proc
 
 
 def steady_stream(base: str, max_tokens: int, stop_at: threading.Event | None = None) -> list[float]:

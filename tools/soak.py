@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -125,25 +124,9 @@ def start_server(args) -> Server:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    import httpx
+    from specfleet.bench.startup import logged_url, wait_healthy
 
-    deadline = time.monotonic() + 300
-    url = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if not url:
-            found = re.search(r"on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
-            url = found.group(1) if found else ""
-        if url:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return Server(proc, url, log)
-            except httpx.TransportError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
+    return Server(proc, wait_healthy(proc, logged_url(log), 300, lambda: log.read_text()[-3000:]), log)
 
 
 def stop_server(server: Server) -> int:

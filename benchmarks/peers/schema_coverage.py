@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from specfleet.bench.startup import wait_healthy
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PROMPT = ("Write one JSON value that is valid against this JSON Schema, and nothing else.\n"
@@ -175,18 +177,8 @@ def soundness(suite: Suite, draft: str) -> dict:
 def start(cmd: list[str], log: Path, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}  # each server's own default threading
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not become ready")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", 900, lambda: log.read_text()[-3000:], poll_s=1)
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from specfleet.bench.startup import wait_healthy
+
 SYSTEMS = ("specfleet", "specfleet-plain", "llama-server", "llama-server-ngram")
 
 
@@ -64,19 +66,8 @@ def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = cmd[cmd.index("--port") + 1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}  # each system's own default threading
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not become ready")
+    url = wait_healthy(proc, f"http://127.0.0.1:{port}", 900, lambda: log.read_text()[-3000:], poll_s=1)
+    return proc, url
 
 
 def model_id(url: str) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from specfleet.bench.startup import wait_healthy
 from specfleet.bench.systems import Generation, Settings, SystemSpec
 from specfleet.errors import SpecfleetError
 from specfleet.extras import install_hint as _install_hint
@@ -184,19 +185,11 @@ class LlamaServerSystem(_Greedy):
         self.url = f"http://127.0.0.1:{port}"
         self.notes = {"gguf": self.path.name, "runs": "llama-server (native, own process)", "binary": binary,
                       "args": extra, "threads": "llama.cpp's default", "n_ctx": n_ctx, "speculation": speculation}
-        deadline = time.monotonic() + startup_s
-        while True:
-            if self.proc.poll() is not None:
-                raise SpecfleetError(f"llama-server exited with {self.proc.returncode} at start: {self._tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise SpecfleetError(f"llama-server did not become ready in {startup_s:.0f} s: {self._tail()}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.url, startup_s, self._tail)
+        except SpecfleetError:
+            self.close()
+            raise
 
     def _tail(self) -> str:
         self._log.seek(0)

@@ -6,7 +6,6 @@ a free port. Only loopback traffic: every URL here is http://127.0.0.1:PORT.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specfleet.bench.startup import logged_url, wait_healthy
 from tests.conftest import real_model_path
 
 MODEL = "smollm2-135m-instruct"
@@ -90,23 +90,8 @@ def launch_server(*extra_args: str, model: str = MODEL) -> ServerProcess:
 
 
 def wait_ready(server: ServerProcess) -> ServerProcess:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"server exited with {server.proc.returncode} during startup:\n{server.log_tail()}")
-        if not server.base_url:
-            found = re.search(r"on (http://127\.0\.0\.1:\d+)", server.log_path.read_text(errors="replace"))
-            if found:
-                server.base_url = found.group(1)
-        if server.base_url:
-            try:
-                if httpx.get(server.url("/health"), timeout=2).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-        time.sleep(0.2)
-    server.proc.kill()
-    raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+    server.base_url = wait_healthy(server.proc, logged_url(server.log_path), STARTUP_TIMEOUT_S, server.log_tail)
+    return server
 
 
 def start_server(*extra_args: str) -> ServerProcess:
