@@ -98,6 +98,16 @@ def start_server(*extra_args: str) -> ServerProcess:
     return wait_ready(launch_server(*extra_args))
 
 
+def tools_server(served: str, api_key: str):
+    """A module's server for the tests that drive it with the official clients: SmolLM2 served as `served`,
+    requiring `api_key`, with the shipped `chatml-tools` template (SmolLM2's own has no tools). A generator,
+    for a module-scoped fixture to `yield from`."""
+    server = start_server("--kv-cache-mb", "24", "--served-model-name", served, "--api-key", api_key,
+                          "--chat-template", "chatml-tools")
+    yield server
+    stop_server(server)
+
+
 def stop_server(server: ServerProcess) -> None:
     status = server.terminate()
     assert status == 0, f"server exited with {status} after SIGTERM:\n{server.log_tail()}"

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from specfleet.llm import LLM
 from specfleet.server.app import ServerConfig, create_app
-from tests.server.harness import MODEL, ServerProcess, start_server, stop_server
+from tests.server.harness import MODEL, ServerProcess, start_server, tools_server
 from tiny_models import ours_from_hf, random_prompts, tiny_hf_model
 
 SERVED = "specfleet-test/smollm2"  # a slash in the id, as a model given by its folder path has
@@ -31,10 +31,7 @@ API_KEY = "sk-specfleet-test"  # the module's server requires it: the official c
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED, "--api-key", API_KEY,
-                       "--chat-template", "chatml-tools")
-    yield srv
-    stop_server(srv)
+    yield from tools_server(SERVED, API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.harness import ServerProcess, start_server, stop_server
+from tests.server.harness import ServerProcess, tools_server
 
 SERVED = "smollm2"
 API_KEY = "sk-structured-test"
@@ -40,10 +40,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--kv-cache-mb", "24", "--served-model-name", SERVED, "--api-key", API_KEY,
-                       "--chat-template", "chatml-tools")
-    yield srv
-    stop_server(srv)
+    yield from tools_server(SERVED, API_KEY)
 
 
 @pytest.fixture(scope="module")
