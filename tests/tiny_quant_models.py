@@ -14,7 +14,7 @@ from specfleet.runtime.loading.build import build_model
 from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.model.config import ModelConfig
 from specfleet.runtime.formats.qtensor import quantize
-from tests.runtime.loading.test_checkpoint import gguf_name, llamacpp_permute, write_tiny_shape, write_tiny_tokenizer
+from tests.runtime.loading.test_checkpoint import gguf_name, llamacpp_permute, write_tiny_header
 
 Q = gguf.GGMLQuantizationType
 # v_proj and down_proj take another format than the rest, as in llama.cpp's *_K_M mixes
@@ -49,12 +49,7 @@ def write_quantized_gguf(path: Path, model, arch: str, overrides: dict | None = 
     a GGMLQuantizationType written as raw bytes of that type, for formats gguf-py cannot quantize)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    write_tiny_shape(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    if arch == "llama":
-        w.add_key_length(cfg.head_dim)
-    write_tiny_tokenizer(w, cfg)
+    write_tiny_header(w, cfg, arch)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

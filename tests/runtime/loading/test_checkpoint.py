@@ -53,6 +53,17 @@ def write_tiny_shape(w, cfg) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
 
 
+def write_tiny_header(w, cfg, arch: str) -> None:
+    """Everything but the tensors that a tiny Llama or Qwen2 GGUF writer puts in `w`: the shape, the norm's
+    epsilon, the rotary base (and Llama's key length) and the tokenizer."""
+    write_tiny_shape(w, cfg)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch == "llama":
+        w.add_key_length(cfg.head_dim)
+    write_tiny_tokenizer(w, cfg)
+
+
 def write_tiny_tokenizer(w, cfg) -> None:
     """The tiny byte-level BPE vocabulary, its merges, special ids and chat template into GGUF writer `w`."""
     tokens, types = tiny_vocab()
@@ -110,12 +121,7 @@ def write_gguf(path: Path, model, arch: str, skip: tuple[str, ...] = (),
     """
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    write_tiny_shape(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    if arch == "llama":
-        w.add_key_length(cfg.head_dim)
-    write_tiny_tokenizer(w, cfg)
+    write_tiny_header(w, cfg, arch)
     for key, value in (metadata or {}).items():
         kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else (
             gguf.GGUFValueType.UINT32 if value >= 0 else gguf.GGUFValueType.INT32)
