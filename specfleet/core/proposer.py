@@ -189,6 +189,9 @@ class StepTiming:
     draft_seconds: float  # the previous drafting itself
     verify_seconds: float  # the target's forwards within `seconds`
     batch: int  # requests about to be drafted for
+    # rows computed within `seconds` for prompt chunks (or recomputation) of requests other than the drafted
+    # ones: those steps cost more than the decode steps of the drafted batch, so cost models skip them
+    prompt_rows: int = 0
 
 
 @runtime_checkable

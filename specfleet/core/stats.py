@@ -31,6 +31,9 @@ class SpecStats:
     # proposer calls that raised; the requests they were for went on by plain decoding (engine.py)
     num_draft_failures: int = 0
     num_draft_fallbacks: int = 0  # requests turned to plain decoding by those failures (each counted once)
+    # rows the target computed for prompt chunks (and recomputation after a preemption) beside the decoding
+    # requests' rows: a step with any is not a decode step, and the fleet does not learn decode costs from it
+    prompt_rows: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
         self.num_steps += 1
@@ -59,6 +62,7 @@ class SpecStats:
         self.verify_time += other.verify_time
         self.num_draft_failures += other.num_draft_failures
         self.num_draft_fallbacks += other.num_draft_fallbacks
+        self.prompt_rows += other.prompt_rows
         for mine, theirs in ((self.drafts_used, other.drafts_used), (self.drafted_by, other.drafted_by),
                              (self.accepted_by, other.accepted_by)):
             for name, c in theirs.items():

@@ -49,6 +49,8 @@ class StepExecutor:
             item, n_prompt_rows = self._forward_item(s)
             items.append(item)
             prompt_rows.append(n_prompt_rows)
+        # prompt chunks and recomputation (read before committing, which moves the counters)
+        num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1 or not s.completes_sequence)
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [rows, vocab]
         hidden = self.runner.last_hidden  # every row's final hidden state, when a proposer reads them
@@ -95,6 +97,7 @@ class StepExecutor:
         for s in emitting:
             s.request.stats.verify_time += share
         self.stats.verify_time += verify_time
+        self.stats.prompt_rows += num_prompt_rows
         return outputs, [dataclasses.replace(f, verify_time=share) for f in feedback]
 
     def _forward_item(self, s: ScheduledRequest) -> tuple[ForwardItem, int]:

@@ -35,8 +35,9 @@ pay costs ever less to keep watching.
 
 Step cost: the wall time from the end of one `propose` to the start of the next is the step the
 target just ran (forward, verification, commit, bookkeeping) for the planned batch and node count; a
-step whose requests changed (a prefill ran) or advanced more than one step (a controller skipped the
-fleet) is not used. Costs therefore describe the requests this fleet drafts for: use it at the top of
+step whose requests changed (a prefill ran), that also computed another request's prompt chunk (the
+engine counts those rows: StepTiming.prompt_rows) or that advanced more than one step (a controller
+skipped the fleet) is not used. Costs therefore describe the requests this fleet drafts for: use it at the top of
 a spec, alone or under +adaptive, rather than as one arm of select(...).
 
 Lossless: every choice (candidate, trimming, calling a model) depends on history and on the shapes
@@ -364,7 +365,11 @@ class FleetProposer:
         """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
         fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
         if self.clock is time.perf_counter:
-            self._engine_elapsed = timing.seconds
+            # a step that also computed another request's prompt chunk is no decode step of this batch: at 8 streams
+            # the prompts of a wave are prefilled in chunks beside the first requests' decoding, and those steps,
+            # timed as decode steps, made a plain step look 2-3x dearer than it is, so speculation (and the 0.5B)
+            # looked cheap beside it; such a step is left untimed (NaN), like one a prefill joined
+            self._engine_elapsed = timing.seconds if not timing.prompt_rows else float("nan")
 
     def _time_step(self, requests: list, elapsed: float | None) -> None:
         """Learn the step cost of the last plan (batch, drafted nodes) from `elapsed` seconds (the engine's;
@@ -379,6 +384,8 @@ class FleetProposer:
                 return  # a prefill joined this step, or more than one step passed
         if elapsed is None:
             elapsed = self.clock() - end
+        if elapsed != elapsed:  # NaN: the engine says the interval held prompt rows (observe_step)
+            return
         if elapsed > 0 and not (self.steps.measured and elapsed > 10 * self.steps.step_time(batch, nodes)):
             self.steps.add(batch, nodes, elapsed)
 

@@ -428,3 +428,30 @@ def test_the_engine_is_the_fleets_and_the_length_controllers_clock(models):
 
     observe_step(Both(), StepTiming(1.0, 0.1, 0.5, 1))
     assert len(calls) == 1
+
+
+def test_steps_that_prefill_another_prompt_are_not_timed_as_decode_steps(models):
+    """While one request decodes, a second one's long prompt is prefilled in chunks beside it: the engine counts
+    those prompt rows (StepTiming.prompt_rows, stats.prompt_rows), and the fleet does not time such a step as a
+    decode step of its batch. At 8 streams on the CPU, taking them for decode steps made a plain step look 2-3x
+    dearer than it was, and speculation cheap beside it."""
+    target, drafts = models
+    fleet = build_strategy(SPECS["chains"], drafts)
+    heard, timed_after = [], []
+    real_observe, real_add = fleet.observe_step, fleet.steps.add
+    fleet.observe_step = lambda timing: heard.append(timing) or real_observe(timing)
+    fleet.steps.add = lambda *a: timed_after.append(heard[-1].prompt_rows if heard else 0) or real_add(*a)
+    eng = make_engine(target, fleet, max_num_batched_tokens=24)
+    short, long = repetitive_prompts([9, 150])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = eng.add_request(short, params)
+    for _ in range(6):
+        eng.step()
+    eng.add_request(long, params)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests.get(first.request_id) is None or eng.requests[first.request_id].is_finished
+    mixed = [t for t in heard if t.prompt_rows]
+    assert len(mixed) >= 4 and sum(t.prompt_rows for t in mixed) <= len(long)  # chunks of the long prompt
+    assert eng.stats.prompt_rows == len(short) + len(long)  # every prompt row, counted once
+    assert timed_after and all(rows == 0 for rows in timed_after)  # only pure decode steps were timed
