@@ -263,6 +263,21 @@ def test_a_draft_models_prompt_catch_up_is_an_investment_not_its_cost_per_token(
     assert report["d"]["model"] < 0.085  # per drafted token; 0.096 with the prompt's feed folded in
 
 
+def test_an_unpriced_catch_up_is_priced_on_one_request_first():
+    """A wave of 8 new requests with 1000-token prompts: before the model's catch-up has a measured cost, its
+    estimates see the prompts' feed as free, so its first call feeds one prompt only (it prices the catch-up);
+    the others follow once it pays, as it does here (0.02 steps per prompt token, 0.05 per drafted token)."""
+    clock = Clock()
+    model = CachedDraft("model", clock, 0.9, 0.05, k=4, weights=True, seed=2, per_gap=0.02)
+    fleet = FleetProposer([model, FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)], clock=clock)
+    reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(1000 + i)]) for i in range(8)]
+    fleet.propose(reqs)
+    assert len(model.cached) == 1
+    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05, prompt=1000,
+                                   catch_up=0.02, batch=8, node_cost=0.05)
+    assert len(model.cached) == 8 and share["model"] > 0.9, share
+
+
 def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     """The model does not pay; once its catch-up cost is timed (2 steps per token here), a forced
     re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
