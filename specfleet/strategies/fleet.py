@@ -150,6 +150,7 @@ class FleetProposer:
         self._last_batch = 1
         self.num_steps = 0
         self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
+        self.num_undrafted_steps = 0  # steps where no draft could pay at their batch size: nothing was drafted
         self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
         self.chosen_by_batch: dict[int, dict[str, int]] = {}  # batch size -> the same counts at that size
         self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
@@ -171,6 +172,8 @@ class FleetProposer:
         self.num_steps += 1
         self.num_request_steps += len(requests)
         batch = self._last_batch = len(requests)
+        if self._no_tree_pays(batch):
+            return self._plain_step(requests, batch)
         explore = {j for j in self.expensive if self.config.explore_every and self._since_called[j] >= self._explore_gap[j]}
         cands: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in requests}
         spent = {r.request_id: 0.0 for r in requests}
@@ -218,6 +221,28 @@ class FleetProposer:
         self._plan = (self.clock(), batch, planned, per)
         self.overhead_s["decide"] += time.perf_counter() - t2
         return out
+
+    def _no_tree_pays(self, batch: int) -> bool:
+        """Whether no draft could pay at this batch size whatever its acceptance, on the measured step costs: for
+        every depth n a member drafts, verifying n nodes costs more than the n tokens they could add at most are
+        worth (a tree of n nodes at depth <= n adds at most n; the marginal cost only grows with more nodes). Then
+        nothing is drafted: at 8 streams on a 2-core CPU a verified node costs more than a request's share of the
+        plain step, and calling the cheap drafts and deciding for 8 requests each step cost ~2 % of the run for
+        nothing. Decided from history only (the cost model), so a sampled request's output is unaffected."""
+        if not self.steps.measured:
+            return False
+        share, margin = self.steps.share(batch), self.config.margin
+        depth = min(max(self.max_k), self.cap) if self.cap is not None else max(self.max_k)
+        return all((1 + n) * share <= margin * (share + self.steps.marginal(batch, 0, n)) for n in range(1, depth + 1))
+
+    def _plain_step(self, requests: list, batch: int) -> dict[str, DraftTree]:
+        """A step where nothing is drafted (_no_tree_pays); still timed, as a plain step of this batch size."""
+        self.num_undrafted_steps += 1
+        self.chosen["plain"] += batch
+        at = self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))
+        at["plain"] += batch
+        self._plan = (self.clock(), batch, 0, {r.request_id: (r.num_tokens, 0) for r in requests})
+        return {}
 
     def observe(self, feedback: list[Feedback]) -> None:
         t0 = time.perf_counter()
@@ -433,6 +458,7 @@ class FleetProposer:
         unit = self.steps.share(batch) if self.steps.measured else None
         return {
             "steps": self.num_steps,
+            "undrafted_steps": self.num_undrafted_steps,
             "request_steps": self.num_request_steps,
             "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
             "d_s": {m.name: self.draft_costs[j].d for j, m in enumerate(self.members)},

@@ -329,6 +329,18 @@ def test_no_speculation_when_nothing_pays():
     assert model.calls <= 5
 
 
+def test_nothing_is_drafted_where_no_tree_could_pay():
+    """At batch 8, a verified node costing 1.2 requests' shares of the plain step (as on a 2-core CPU) cannot pay
+    even when every drafted token is right: once the step costs show it, the fleet stops calling its drafts (their
+    calls and its decisions cost time for nothing). Where nodes are cheap it keeps drafting."""
+    fleet, share, _ = simulate(cheap_accuracy=1.0, model_accuracy=1.0, model_cost=0.0, batch=8, node_cost=1.2)
+    cheap = fleet.members[1]
+    assert share["plain"] == 1.0, share
+    assert fleet.num_undrafted_steps > 0.9 * fleet.num_steps and cheap.calls < 0.1 * fleet.num_steps
+    fleet, share, _ = simulate(cheap_accuracy=0.9, model_accuracy=0.95, model_cost=0.5, batch=8, node_cost=0.25)
+    assert fleet.num_undrafted_steps == 0 and share["plain"] < 0.1, share
+
+
 def test_decisions_at_batch_three_use_each_requests_share():
     fleet, share, _ = simulate(cheap_accuracy=0.9, model_accuracy=0.95, model_cost=0.5, batch=3)
     assert share["cheap"] + share["merged"] > 0.9, share
