@@ -23,6 +23,10 @@ CPU. So the fleet, every step, for every request:
 3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
    plain share (times `margin`).
 
+Before all that, a step at a batch size where no tree could pay whatever its acceptance (every depth's
+verification costs more than the tokens it could add, on the measured step costs: 8 streams on a
+2-core CPU) drafts nothing at all and is timed as a plain step.
+
 Learning: after the step, every point-mass candidate (chosen or not) is scored against the tokens the
 step committed: with point masses, a node is accepted exactly when the committed token at its depth
 spells its path, so unchosen drafts keep learning (and greedy and sampled requests alike). A tree with
