@@ -50,7 +50,8 @@ class StepExecutor:
             items.append(item)
             prompt_rows.append(n_prompt_rows)
         # prompt chunks and recomputation (read before committing, which moves the counters)
-        num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1 or not s.completes_sequence)
+        num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled
+                              if s.num_new_tokens > 1 or not s.completes_sequence)
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [rows, vocab]
         hidden = self.runner.last_hidden  # every row's final hidden state, when a proposer reads them

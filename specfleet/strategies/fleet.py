@@ -185,7 +185,7 @@ class FleetProposer:
             self._call(j, requests, None, cands, spent)
         t1 = time.perf_counter()
         share, planned, groups, wanted = self.steps.share(batch), 0, {j: [] for j in self.expensive}, set()
-        for r in requests:  # first pass: which requests an expensive draft would serve better
+        for r in requests if self.expensive else ():  # first pass: which requests an expensive draft would serve better
             rid = r.request_id
             best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=bool(explore))
             for j in self.expensive:
@@ -193,7 +193,8 @@ class FleetProposer:
                 pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
                 if pays:
                     wanted.add(j)
-                if (pays or (j in explore and not self._costly_catch_up(r, j))) and not self._unpriced_catch_up(r, j, groups[j]):
+                asked = pays or (j in explore and not self._costly_catch_up(r, j))
+                if asked and not self._unpriced_catch_up(r, j, groups[j]):
                     groups[j].append((r, k))
             planned += len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
