@@ -8,10 +8,10 @@ Three estimators, all fed from timings and outcomes the fleet observes itself:
   N it has seen; beyond them it extends with the steeper of the last segment's slope and the slope of
   a least-squares fit T = a + b*B + g*N over recent steps (which also answers for an unseen B). With
   no timing at all it answers in *step units*: T = B + prior_node_cost * N. Below the fewest nodes seen
-at a batch size (one that always speculated, so its plain step was never timed) it extends down with the
-steeper of the first segment's slope and the fit's: erring low there makes plain decoding look cheap, so the
-fleet decodes plain and times the plain step, where erring high (as a floor at half the step did) made every
-node look cheap beside an overestimated share and the plain step was never timed. A request's share of a
+  at a batch size (one that always speculated, so its plain step was never timed) it extends down with the
+  steeper of the first segment's slope and the fit's: erring low there makes plain decoding look cheap, so
+  the fleet decodes plain and times the plain step, where erring high (as a floor at half the step did) made
+  every node look cheap beside an overestimated share and the plain step was never timed. A request's share of a
   plain step is T(B, 0) / B; the cost of verifying n more nodes is T(B, N + n) - T(B, N). In units of
   one plain decode step, c(n) = T(1, n) / T(1, 0).
 - `DraftCost`: one draft's time per request per call, fitted as a + b*k + g*gap (k tokens asked for,

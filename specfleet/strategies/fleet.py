@@ -214,9 +214,7 @@ class FleetProposer:
                 pend.verified = best
                 planned += len(best.tree)
             name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
-            self.chosen[name] += 1
-            at = self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))
-            at[name] += 1
+            self._count_choice(batch, name)
             per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
         for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
             if j in wanted:
@@ -237,17 +235,19 @@ class FleetProposer:
         if not self.steps.measured:
             return False
         share, margin = self.steps.share(batch), self.config.margin
-        depth = min(max(self.max_k), self.cap) if self.cap is not None else max(self.max_k)
-        return all((1 + n) * share <= margin * (share + self.steps.marginal(batch, 0, n)) for n in range(1, depth + 1))
+        return all((1 + n) * share <= margin * (share + self.steps.marginal(batch, 0, n))
+                   for n in range(1, self.num_speculative_tokens + 1))
 
     def _plain_step(self, requests: list, batch: int) -> dict[str, DraftTree]:
         """A step where nothing is drafted (_no_tree_pays); still timed, as a plain step of this batch size."""
         self.num_undrafted_steps += 1
-        self.chosen["plain"] += batch
-        at = self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))
-        at["plain"] += batch
+        self._count_choice(batch, "plain", batch)
         self._plan = (self.clock(), batch, 0, {r.request_id: (r.num_tokens, 0) for r in requests})
         return {}
+
+    def _count_choice(self, batch: int, name: str, n: int = 1) -> None:
+        self.chosen[name] += n
+        self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))[name] += n
 
     def observe(self, feedback: list[Feedback]) -> None:
         t0 = time.perf_counter()
@@ -403,12 +403,14 @@ class FleetProposer:
     def observe_step(self, timing) -> None:
         """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
         fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
-        if self.clock is time.perf_counter:
+        if timing.prompt_rows:
             # a step that also computed another request's prompt chunk is no decode step of this batch: at 8 streams
             # the prompts of a wave are prefilled in chunks beside the first requests' decoding, and those steps,
             # timed as decode steps, made a plain step look 2-3x dearer than it is, so speculation (and the 0.5B)
-            # looked cheap beside it; such a step is left untimed (NaN), like one a prefill joined
-            self._engine_elapsed = timing.seconds if not timing.prompt_rows else float("nan")
+            # looked cheap beside it; such a step is left untimed, like one a prefill joined (_time_step)
+            self._plan = None
+        elif self.clock is time.perf_counter:
+            self._engine_elapsed = timing.seconds
 
     def _time_step(self, requests: list, elapsed: float | None) -> None:
         """Learn the step cost of the last plan (batch, drafted nodes) from `elapsed` seconds (the engine's;
@@ -423,8 +425,6 @@ class FleetProposer:
                 return  # a prefill joined this step, or more than one step passed
         if elapsed is None:
             elapsed = self.clock() - end
-        if elapsed != elapsed:  # NaN: the engine says the interval held prompt rows (observe_step)
-            return
         if elapsed > 0 and not (self.steps.measured and elapsed > 10 * self.steps.step_time(batch, nodes)):
             self.steps.add(batch, nodes, elapsed)
 
