@@ -274,13 +274,13 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
             }                                                                                     \
             return;                                                                               \
         }                                                                                         \
-        for (int64_t n = n0; n < n1; n++) {                                                       \
-            const uint8_t *wrow = W + n * row_bytes;                                              \
-            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
-                const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
-                const XT *xs[TILE];                                                               \
+        for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                              \
+            const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                                 \
+            const XT *xs[TILE];                                                                   \
+            for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                const uint8_t *wrow = W + n * row_bytes;                                          \
                 float out[TILE];                                                                  \
-                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);             \
                 switch (R) {                                                                      \
                 case 1: FN(wrow, nb, xs, 1, out); break;                                          \
                 case 2: FN(wrow, nb, xs, 2, out); break;                                          \
@@ -311,13 +311,13 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
         if (c1 - c0 > 1)                                                                          \
-            for (; n + 1 < n1; n += 2) {                                                          \
-                const uint8_t *w0 = W + n * row_bytes, *w1 = w0 + row_bytes;                      \
-                for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                      \
-                    const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                         \
-                    const XT *xs[TILE];                                                           \
+            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
+                const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
+                const XT *xs[TILE];                                                               \
+                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);             \
+                for (n = n0; n + 1 < n1; n += 2) {                                                \
+                    const uint8_t *w0 = W + n * row_bytes, *w1 = w0 + row_bytes;                  \
                     float o0[TILE], o1[TILE];                                                     \
-                    for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);         \
                     switch (R) {                                                                  \
                     case 1: FN2(w0, w1, nb, xs, 1, o0, o1); break;                                \
                     case 2: FN2(w0, w1, nb, xs, 2, o0, o1); break;                                \

@@ -240,8 +240,14 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
-            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
-            for (int t = 1; t < 8; t++) s = _mm512_dpbusd_epi32(s, q[t], both_i(xb->q + 32 * t));
+            /* two independent chains of four (the int32 totals are exact in any order) */
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], both_i(xb->q + 128));
+            for (int t = 1; t < 4; t++) {
+                s0 = _mm512_dpbusd_epi32(s0, q[t], both_i(xb->q + 32 * t));
+                s1 = _mm512_dpbusd_epi32(s1, q[4 + t], both_i(xb->q + 128 + 32 * t));
+            }
+            const __m512i s = _mm512_add_epi32(s0, s1);
             const __m512 v = _mm512_fnmadd_ps(fm, both_f(xb->fsum), _mm512_mul_ps(_mm512_cvtepi32_ps(s), fd));
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb->d), v, acc[r]);
         }
