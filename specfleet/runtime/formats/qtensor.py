@@ -2,10 +2,11 @@
 
 A `QTensor` is a 2-D weight [N, K] (N output rows, K inputs) stored as llama.cpp stores it: each row
 is K / block_size blocks of `type_size` bytes (the layouts are written out in
-csrc/q_common.h). The 32-weight formats' bytes can wrap the GGUF file's read-only
-memory map; Q4_K and Q6_K are copied once with each block's quants re-ordered for the kernels
-(`pack_k`: same block size, scales where they were; `gguf_bytes()` gives the file's order back). Either
-way a model loaded like this costs about the file's size in memory.
+csrc/q_common.h). Q4_1's bytes can wrap the GGUF file's read-only memory map; the other formats are
+copied once with their quants re-ordered for the kernels (`pack_rows`, the same size: Q4_K and Q6_K
+within each block, `pack_k`; Q4_0, Q5_0 and Q8_0 in groups of eight blocks, group32_order.py;
+`gguf_bytes()` gives the file's order back). Either way a model loaded like this costs about the file's
+size in memory.
 
 `qlinear(x, w)` computes x @ W^T with the native kernel (runtime/backends/native/kernels.py: the library of the
 CPU's ISA path, compiled on first use and loaded with ctypes, which releases the GIL). The kernel
@@ -33,7 +34,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES
 
-from specfleet.runtime.formats import kquant_order
+from specfleet.runtime.formats import group32_order, kquant_order
 from specfleet.runtime.backends.native.kernels import PRE_NONE, FusedPart, library
 from specfleet.runtime.formats.kquant_order import unpack as unpack_k
 
@@ -48,7 +49,7 @@ class BlockFormat:
     qtype: T
     block: int  # weights per block
     type_size: int  # bytes per block
-    packed: bool  # the kernels keep its blocks in their own order (`pack_k`); also: activations in 256-value blocks
+    packed: bool  # the kernels keep its quants in their own order (`pack_rows`)
     quantize: Callable[[np.ndarray], np.ndarray] | None  # fp32 [N, K] -> uint8 blocks in ggml's order; None: read only
 
 
@@ -61,15 +62,17 @@ def _gguf_quantizer(qtype: T) -> Callable[[np.ndarray], np.ndarray]:
 
 
 FORMATS: dict[T, BlockFormat] = {f.qtype: f for f in (
-    BlockFormat(T.Q4_0, *GGML_QUANT_SIZES[T.Q4_0], False, _gguf_quantizer(T.Q4_0)),
+    BlockFormat(T.Q4_0, *GGML_QUANT_SIZES[T.Q4_0], True, _gguf_quantizer(T.Q4_0)),
     BlockFormat(T.Q4_1, *GGML_QUANT_SIZES[T.Q4_1], False, _gguf_quantizer(T.Q4_1)),
-    BlockFormat(T.Q5_0, *GGML_QUANT_SIZES[T.Q5_0], False, _gguf_quantizer(T.Q5_0)),
-    BlockFormat(T.Q8_0, *GGML_QUANT_SIZES[T.Q8_0], False, _gguf_quantizer(T.Q8_0)),
+    BlockFormat(T.Q5_0, *GGML_QUANT_SIZES[T.Q5_0], True, _gguf_quantizer(T.Q5_0)),
+    BlockFormat(T.Q8_0, *GGML_QUANT_SIZES[T.Q8_0], True, _gguf_quantizer(T.Q8_0)),
     BlockFormat(T.Q4_K, *GGML_QUANT_SIZES[T.Q4_K], True, lambda arr: _quantize_q4_k(arr)),  # gguf-py has none
     BlockFormat(T.Q6_K, *GGML_QUANT_SIZES[T.Q6_K], True, None),
 )}
 SUPPORTED_TYPES = frozenset(FORMATS)
-K_TYPES = frozenset(t for t, f in FORMATS.items() if f.packed)  # 256-weight super-blocks in the kernels' order
+K_TYPES = frozenset({T.Q4_K, T.Q6_K})  # 256-weight super-blocks (activations in 256-value blocks)
+G32_TYPES = group32_order.TYPES  # 32-weight blocks in groups of eight
+PACKED_TYPES = frozenset(t for t, f in FORMATS.items() if f.packed)  # quants in the kernels' order
 FALLBACK_ROWS = 4096  # weight rows the fallback dequantizes at a time
 
 
@@ -86,9 +89,9 @@ class QTensor:
     __slots__ = ("data", "qtype", "shape")
 
     def __init__(self, data, qtype, shape: tuple[int, int], packed: bool = False):
-        """`data`: the rows in the file's (ggml's) order; a Q4_K / Q6_K matrix is copied into the
-        kernels' order (`pack_k`), the other formats are wrapped without a copy where they are
-        contiguous. `packed=True` says a K-format `data` is in the kernels' order already."""
+        """`data`: the rows in the file's (ggml's) order; a matrix of a PACKED_TYPES format is copied into
+        the kernels' order (`pack_rows`), Q4_1 is wrapped without a copy where it is contiguous.
+        `packed=True` says `data` is in the kernels' order already."""
         qtype = _as_type(qtype)
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"{qtype.name} is not a supported block format; supported: "
@@ -106,8 +109,8 @@ class QTensor:
             raise ValueError(f"{qtype.name} [{n}, {k}] needs {n * row_bytes} bytes, got {data.numel()} "
                              f"of {data.dtype}")
         data = data.reshape(n, row_bytes)
-        if qtype in K_TYPES and not packed:
-            data = torch.from_numpy(pack_k(data.numpy(), qtype))
+        if qtype in PACKED_TYPES and not packed:
+            data = torch.from_numpy(pack_rows(data.numpy(), qtype, k))
         self.data = data.contiguous()  # the kernels read rows back to back
         self.qtype = qtype
         self.shape = (n, k)
@@ -121,8 +124,7 @@ class QTensor:
 
     def gguf_bytes(self) -> np.ndarray:
         """uint8 [N, row_bytes] in the file's (ggml's) block order, as gguf-py reads and writes it."""
-        raw = self.data.numpy()
-        return unpack_k(raw, self.qtype) if self.qtype in K_TYPES else raw
+        return unpack_rows(self.data.numpy(), self.qtype, self.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.data, self.qtype, self.shape[1]).to(dtype)
@@ -163,8 +165,7 @@ def _dequantize(data: torch.Tensor, qtype: T, k: int) -> torch.Tensor:
     """fp32 [rows, k] from a QTensor's bytes (the kernels' order for the K formats)."""
     from gguf.quants import dequantize
 
-    raw = data.contiguous().numpy()
-    arr = dequantize(unpack_k(raw, qtype) if qtype in K_TYPES else raw, qtype)
+    arr = dequantize(unpack_rows(data.contiguous().numpy(), qtype, k), qtype)
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(data.shape[0], k))
 
 
@@ -293,6 +294,35 @@ def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
     out = np.concatenate([d16.view(np.uint8).reshape(n, k // 256, 2), dmin16.view(np.uint8).reshape(n, k // 256, 2),
                           scales, qs], axis=-1)
     return out.reshape(n, -1)
+
+
+def pack_rows(data: np.ndarray, qtype, k: int, native: bool = True) -> np.ndarray:
+    """Rows of `k` weights from ggml's order into the kernels' (a copy; Q4_1 as it is): `pack_k` for Q4_K /
+    Q6_K, groups of eight blocks for Q4_0, Q5_0 and Q8_0 (the C library where it is built, else numpy)."""
+    qtype = _as_type(qtype)
+    if qtype in K_TYPES:
+        return pack_k(data, qtype, native)
+    if qtype not in G32_TYPES:
+        return data
+    lib = library() if native else None
+    if lib is None:
+        return group32_order.pack(data, qtype, k)
+    block, size = FORMATS[qtype].block, FORMATS[qtype].type_size
+    src = np.ascontiguousarray(data, dtype=np.uint8)
+    out = np.empty_like(src)
+    nb = k // block
+    if lib.specfleet_g32_pack(int(qtype), src.ctypes.data, out.ctypes.data, src.size // (nb * size) if nb else 0, nb,
+                              torch.get_num_threads()) != 0:
+        raise ValueError(f"the native kernel cannot pack {qtype.name}")
+    return out
+
+
+def unpack_rows(data: np.ndarray, qtype, k: int) -> np.ndarray:
+    """The inverse of `pack_rows`: ggml's order, as gguf-py reads and writes it (Q4_1: `data` itself)."""
+    qtype = _as_type(qtype)
+    if qtype in K_TYPES:
+        return unpack_k(data, qtype)
+    return group32_order.unpack(data, qtype, k) if qtype in G32_TYPES else data
 
 
 def pack_k(data: np.ndarray, qtype, native: bool = True) -> np.ndarray:

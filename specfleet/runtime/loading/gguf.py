@@ -473,7 +473,7 @@ def _native(reader: GGUFReader, tensor: ReaderTensor, path: Path, heads: int | N
     cols, rows = (int(d) for d in tensor.shape.tolist())
     _check_finite_scales(tensor, path)
     w = qtensor.QTensor(tensor.data, kind, (rows, cols))
-    if kind in qtensor.K_TYPES:  # a re-ordered copy: the file's pages are not needed again
+    if kind in qtensor.PACKED_TYPES:  # a re-ordered copy: the file's pages are not needed again
         _drop_mapped_pages(reader, tensor)
     if heads is not None:
         w = w.select_rows(torch.from_numpy(unpermute_qk(np.arange(rows), heads)))

@@ -76,8 +76,8 @@ def flags(path: str) -> list[str]:
 
 
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
-# 6: the bf16 linear in the same library
-ABI = 6
+# 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack)
+ABI = 7
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -113,6 +113,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_decode_layers": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
                                  _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _i64], _int),
     "specfleet_k_pack": ([_int, _ptr, _ptr, _i64, _int], _int),
+    "specfleet_g32_pack": ([_int, _ptr, _ptr, _i64, _i64, _int], _int),
     "specfleet_bf16_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
 }
 

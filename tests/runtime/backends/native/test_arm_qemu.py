@@ -140,7 +140,9 @@ def test_linear_every_format_tail_and_row_count(exes, tmp_path):
     assert x86 is not None, native_backend._reasons
     recs, cases = Records(), []
     for qt in FORMATS:
-        for kb in (1, 3):
+        # 32-weight formats: one block, a short group, one group of eight and a tail of four (12 = 384), and
+        # three of eight and one of four (28 = 896, the 0.5B's width)
+        for kb in ((1, 3) if block_of(qt) == 256 else (1, 3, 12, 28)):
             k, n = kb * block_of(qt), 70
             w = random_blocks(qt, n, k, seed=kb + int(qt))
             g = torch.Generator().manual_seed(int(qt) * 10 + kb)

@@ -243,16 +243,55 @@ def test_rows_select_cat_and_lookup_agree_with_dequantize():
 
 
 def test_construction_wraps_read_only_memory_without_copying(recwarn):
-    raw = np.ascontiguousarray(random_blocks(T.Q8_0, 4, 64).data.numpy())
+    """Q4_1, the one format the kernels read in the file's order, wraps a read-only map as it is."""
+    raw = np.ascontiguousarray(random_blocks(T.Q4_1, 4, 64).data.numpy())
     raw.setflags(write=False)
-    w = QTensor(raw, T.Q8_0, (4, 64))
+    w = QTensor(raw, T.Q4_1, (4, 64))
     assert w.data.data_ptr() == raw.__array_interface__["data"][0]
     assert not [r for r in recwarn if "writable" in str(r.message)]
-    padded = torch.zeros(4, 2 * 68, dtype=torch.uint8)  # rows with a stride: copied, so the kernel reads rows
-    padded[:, :68] = w.data
-    strided = QTensor(padded[:, :68], T.Q8_0, (4, 64))
+    padded = torch.zeros(4, 2 * 40, dtype=torch.uint8)  # rows with a stride: copied, so the kernel reads rows
+    padded[:, :40] = w.data
+    strided = QTensor(padded[:, :40], T.Q4_1, (4, 64))
     x = torch.randn(3, 64)
     assert strided.data.is_contiguous() and torch.equal(qlinear(x, strided), qlinear(x, w))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("nb", [1, 3, 4, 8, 12, 28, 35])
+def test_grouped_formats_are_kept_in_the_kernels_order_and_give_the_file_bytes_back(qtype, nb):
+    """Q4_0, Q5_0 and Q8_0 rows are re-ordered in groups of eight blocks (csrc/q_common.h; a last group of
+    nb % 8): `gguf_bytes` gives back exactly the file's bytes, the C and numpy orders agree, a block's
+    quants really move (so the kernels read the new order), and select/cat keep it."""
+    rng = np.random.default_rng(nb)
+    size = GGML_QUANT_SIZES[qtype][1]
+    k = 32 * nb
+    raw = rng.integers(0, 256, size=(9, nb * size), dtype=np.uint8)
+    w = QTensor(raw, qtype, (9, k))
+    if nb > 1:
+        assert not np.array_equal(w.data.numpy(), raw)
+    assert np.array_equal(w.gguf_bytes(), raw)
+    assert np.array_equal(qtensor.pack_rows(raw, qtype, k, native=False), w.data.numpy())
+    assert np.array_equal(qtensor.unpack_rows(qtensor.pack_rows(raw, qtype, k, native=False), qtype, k), raw)
+    assert np.array_equal(w.select_rows([4, 1]).gguf_bytes(), raw[[4, 1]])
+    assert np.array_equal(QTensor.cat([w, w.select_rows([0])]).gguf_bytes(), np.concatenate([raw, raw[:1]]))
+    # the layout itself, spelled out for one group: block j's weight 4k + t sits at byte 4 (nt k + j) + t
+    nt = min(nb, 8)
+    blocks = raw[0, :nt * size].reshape(nt, size)
+    d = w.data.numpy()[0, :2 * nt]
+    assert np.array_equal(d, blocks[:, :2].reshape(-1))
+    from specfleet.runtime.formats.group32_order import _natural
+    nat = _natural(blocks, qtype)  # [nt, 32] weights in order
+    body = w.data.numpy()[0, 2 * nt:nt * size]
+    if qtype == T.Q8_0:
+        q = body
+    else:
+        qs = body[4 * nt:] if qtype == T.Q5_0 else body
+        q = np.concatenate([qs & 15, qs >> 4])
+        if qtype == T.Q5_0:
+            q = q | (np.unpackbits(body[:4 * nt], bitorder="little") << 4)
+    for j in range(nt):
+        for e in range(32):
+            assert q[4 * (nt * (e // 4) + j) + e % 4] == nat[j, e]
 
 
 def test_bad_input_is_a_clear_error():

@@ -25,31 +25,34 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
                              int64_t num_threads) {
     if (nparts < 1 || nparts > MAX_PARTS || K <= 0 || M < 0 || pre < PRE_NONE || pre > PRE_SILU_MUL) return -1;
     if (pre == PRE_RMSNORM && !pre_w) return -1;
-    int need256 = 0, need32 = 0;
+    int need[SF_ACT_KINDS] = {0, 0, 0};
     cols_fn cols[MAX_PARTS];
     int64_t start[MAX_PARTS + 1], col0[MAX_PARTS];
     start[0] = 0;
     int64_t col = 0;
     for (int64_t p = 0; p < nparts; p++) {
         const int64_t t = parts[p].type;
-        const int kq = sf_is_k(t);
         cols[p] = sfq_columns(t);
-        if (!cols[p] || K % (kq ? 256 : 32) != 0 || parts[p].N < 0) return -1;
-        need256 |= kq;
-        need32 |= !kq;
+        if (!cols[p] || K % (sf_is_k(t) ? 256 : 32) != 0 || parts[p].N < 0) return -1;
+        need[sf_act_kind(t)] = 1;
         start[p + 1] = start[p] + (parts[p].N + SF_RCH - 1) / SF_RCH;
         col0[p] = col;
         col += parts[p].N;
     }
     if (M == 0 || col == 0) return 0;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
-    const int64_t arb256 = (K / 256) * (int64_t)sizeof(xq256), arb32 = (K / 32) * (int64_t)sizeof(xq32);
-    /* 64-byte aligned: a 512-bit load of activation quants never straddles two cache lines */
-    uint8_t *a256 = need256 ? (uint8_t *)aligned_alloc(64, (size_t)(M * arb256 + 63) / 64 * 64) : 0;
-    uint8_t *a32 = need32 ? (uint8_t *)aligned_alloc(64, (size_t)(M * arb32 + 63) / 64 * 64) : 0;
-    if ((need256 && !a256) || (need32 && !a32)) {
-        free(a256);
-        free(a32);
+    /* one activation buffer per kind the parts need; 64-byte aligned: a 512-bit load of activation quants
+     * never straddles two cache lines */
+    const int64_t kind_type[SF_ACT_KINDS] = {T_Q4_K, T_Q4_0, T_Q4_1};
+    int64_t arb[SF_ACT_KINDS];
+    uint8_t *act[SF_ACT_KINDS] = {0, 0, 0};
+    int nomem = 0;
+    for (int k = 0; k < SF_ACT_KINDS; k++) {
+        arb[k] = sf_act_row_bytes(kind_type[k], K);
+        if (need[k] && !(act[k] = (uint8_t *)aligned_alloc(64, (size_t)(M * arb[k] + 63) / 64 * 64))) nomem = 1;
+    }
+    if (nomem) {
+        for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
     int failed = 0;
@@ -71,14 +74,13 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
                 sfq_silu_mul_row(row, row + K, K, buf);
                 row = buf;
             }
-            if (need256) sfq_quantize_row256(row, K, (xq256 *)(a256 + m * arb256));
-            if (need32) sfq_quantize_row32(row, K, (xq32 *)(a32 + m * arb32));
+            for (int k = 0; k < SF_ACT_KINDS; k++)
+                if (need[k]) sf_quantize_act(k, row, K, act[k] + m * arb[k]);
         }
         free(buf);
     }
     if (failed) {
-        free(a256);
-        free(a32);
+        for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
     const int64_t nchunks = start[nparts];
@@ -87,16 +89,15 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         int64_t p = 0;
         while (ch >= start[p + 1]) p++;
         const sfq_part *pt = &parts[p];
-        const int kq = sf_is_k(pt->type);
+        const int kind = sf_act_kind(pt->type);
         const int64_t n0 = (ch - start[p]) * SF_RCH, n1 = n0 + SF_RCH < pt->N ? n0 + SF_RCH : pt->N;
-        const uint8_t *a = kq ? a256 : a32;
-        const int64_t arb = kq ? arb256 : arb32, nb = K / (kq ? 256 : 32);
+        const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
-            cols[p](pt->W, pt->row_bytes, nb, a, arb, c0, c1, n0, n1, y + col0[p], ldy, pt->bias, (int)accumulate);
+            cols[p](pt->W, pt->row_bytes, nb, act[kind], arb[kind], c0, c1, n0, n1, y + col0[p], ldy, pt->bias,
+                    (int)accumulate);
         }
     }
-    free(a256);
-    free(a32);
+    for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
     return 0;
 }

@@ -48,3 +48,55 @@ int specfleet_k_pack(int type, const uint8_t *src, uint8_t *dst, int64_t nblocks
     }
     return 0;
 }
+
+/* The grouped 32-weight formats' order (q_common.h: groups of eight blocks, a lane per block) from ggml's,
+ * for nrows rows of nb blocks of Q4_0 (type 2), Q5_0 (6) or Q8_0 (8), src -> dst (not overlapping);
+ * runtime/formats/group32_order.py is the same in numpy, and its `unpack` the way back. Returns 0, or -1
+ * for another type. */
+int specfleet_g32_pack(int type, const uint8_t *src, uint8_t *dst, int64_t nrows, int64_t nb, int num_threads) {
+    if (!sf_is_g32(type) || nb < 0 || nrows < 0) return -1;
+    const int64_t bs = sf_g32_block_bytes(type), rb = nb * bs;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (nrows * nb >= 4096)
+    for (int64_t n = 0; n < nrows; n++) {
+        for (int64_t g = 0; 8 * g < nb; g++) {
+            const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
+            const uint8_t *sg = src + n * rb + 8 * g * bs;
+            uint8_t *og = dst + n * rb + 8 * g * bs;
+            uint8_t q[256]; /* the group's quants in its order (Q4_0 / Q5_0: unsigned, fifth bit included) */
+            for (int j = 0; j < nt; j++) {
+                const uint8_t *b = sg + j * bs;
+                uint8_t nat[32];
+                og[2 * j] = b[0];
+                og[2 * j + 1] = b[1];
+                if (type == T_Q8_0) {
+                    memcpy(nat, b + 2, 32);
+                } else {
+                    const uint8_t *qs = b + (type == T_Q5_0 ? 6 : 2);
+                    for (int i = 0; i < 16; i++) {
+                        nat[i] = qs[i] & 15;
+                        nat[i + 16] = qs[i] >> 4;
+                    }
+                    if (type == T_Q5_0) {
+                        const uint32_t h = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
+                        for (int i = 0; i < 32; i++) nat[i] |= (uint8_t)(((h >> i) & 1) << 4);
+                    }
+                }
+                for (int k = 0; k < 8; k++) memcpy(q + 4 * (nt * k + j), nat + 4 * k, 4);
+            }
+            uint8_t *p = og + 2 * nt;
+            const int nq = 32 * nt;
+            if (type == T_Q8_0) {
+                memcpy(p, q, (size_t)nq);
+                continue;
+            }
+            uint8_t *qs = p;
+            if (type == T_Q5_0) {
+                memset(p, 0, (size_t)(4 * nt));
+                for (int c = 0; c < nq; c++) p[c >> 3] |= (uint8_t)(((q[c] >> 4) & 1) << (c & 7));
+                qs = p + 4 * nt;
+            }
+            for (int c = 0; c < nq / 2; c++) qs[c] = (uint8_t)((q[c] & 15) | (q[c + nq / 2] & 15) << 4);
+        }
+    }
+    return 0;
+}

@@ -2,17 +2,18 @@
  * csrc/arch/x86/, csrc/arch/arm/) implement and what the drivers (q_linear.c, fused_linear.c,
  * attention.c, layers.c, k_pack.c) call. Plain C11: no intrinsics, so any C compiler builds it.
  *
- * Activations are quantized per row to int8 before any product, one scale per 32 values (xq32, for
- * the 32-weight formats) or per 256 with the sums of every 16 quants (xq256, for the K formats):
+ * Activations are quantized per row to int8 before any product, one scale per 32 values (xq32 for Q4_1,
+ * xq32g groups for Q4_0, Q5_0 and Q8_0) or per 256 with the sums of every 16 quants (xq256, for the K formats):
  * x[i] ~= d * q[i], d = amax / 127, q = round-half-even(x[i] * 127 / amax); an xq256 holds its quants
  * in the K kernels' interleaved order (arch/x86/quants_k.c describes it). The inner products are then
  * integer: exact in every body, whatever instructions sum them.
  *
  * The numerical contract every body keeps (so every path gives the generic path's bits; tests/
  * test_csrc_generic.py and tests/runtime/backends/native/test_arm_qemu.py hold it): the integer sums of a block are grouped as
- * eight 32-bit lanes (lane j: the 32-weight formats' weights 4j..4j+3; the K formats' sub-block j); each
- * block adds lane by lane into eight fp32 accumulators with one fused multiply-add; a row ends with
- * sf_hsum8's fixed tree. Row ops, attention and exp are lane-exact likewise (see generic/). Every build
+ * eight 32-bit lanes (lane j: Q4_1's weights 4j..4j+3; the K formats' sub-block j); each block adds lane
+ * by lane into eight fp32 accumulators with one fused multiply-add; the grouped formats Q4_0, Q5_0 and Q8_0
+ * sum each block whole and add block b into lane b % 8 (see xq32g below); a row ends with sf_hsum8's
+ * fixed tree. Row ops, attention and exp are lane-exact likewise (see generic/). Every build
  * uses -ffp-contract=off, so only the fused multiply-adds written as such are fused.
  *
  * Batch invariance: an output y[m, n] is always computed by the same instruction sequence over the
@@ -95,6 +96,68 @@ static inline float sf_half_to_float(uint16_t h) {
     return f;
 }
 
+/* The grouped 32-weight formats (Q4_0, Q5_0, Q8_0; not Q4_1): a weight row's blocks are kept in groups of
+ * eight (the last group of a row holds the nb % 8 blocks left, nt = 1..8 of them), re-ordered once at load
+ * (k_pack.c `specfleet_g32_pack`, runtime/formats/group32_order.py) so that one register of quants holds
+ * the same four weights of every block of its group. Within a group of nt blocks, quant byte
+ *     c = 4 * (nt * k + j) + t   is weight 4k + t (k in 0..7, t in 0..3) of block j (j < nt),
+ * so each 32-bit lane of a register belongs to one block. A group is its nt fp16 scales d[j], then (Q5_0)
+ * the fifth bits (bit c of the little-endian bytes qh[4 * nt]: quant byte c), then the quants: Q4_0 / Q5_0
+ * nibbles qs[16 * nt] (qs[n] low nibble: byte n, high nibble: byte n + 16 * nt), Q8_0 int8 qs[32 * nt].
+ * A group keeps the file's size (nt * 18, 22 or 34 bytes), so a row keeps its size too.
+ * The activation rows of these formats are xq32g groups: the same byte order over the same groups, each
+ * block's scale and quant sum. Per block b of a row (in order) the contract is:
+ *     P = sum of (w quant * x quant) - off * x sum      (off: Q4_0 8, Q5_0 16, Q8_0 0; exact integers)
+ *     acc[b % 8] = fmaf(d_w * d_x, (float)P, acc[b % 8]),  and a row ends with sf_hsum8(acc).
+ * One epilogue serves eight blocks here (a lane per block), where the file's order needs one per block. */
+typedef struct { _Alignas(64) int8_t q[256]; float d[8]; int32_t sum[8]; } xq32g; /* 320 B */
+ALWAYS_INLINE int sf_is_g32(int64_t type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
+ALWAYS_INLINE int sf_g32_offset(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
+ALWAYS_INLINE int64_t sf_g32_block_bytes(int type) { return type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34; }
+
+/* Store block j's 32 quants (element order) into its group's byte order (nt blocks in the group) */
+static inline void sf_xq32g_put(xq32g *g, int nt, int j, const int8_t *nat) {
+    for (int k = 0; k < 8; k++) memcpy(g->q + 4 * (nt * k + j), nat + 4 * k, 4);
+}
+
+/* A weight group's nt scales (as floats) and its quants in the group's byte order (offsets not applied) */
+static inline void sf_g32_unpack(int type, const uint8_t *grp, int nt, float *d, int8_t *q) {
+    for (int j = 0; j < nt; j++) d[j] = sf_half_to_float((uint16_t)(grp[2 * j] | grp[2 * j + 1] << 8));
+    const uint8_t *p = grp + 2 * nt;
+    const int n = 32 * nt;
+    if (type == T_Q8_0) {
+        memcpy(q, p, (size_t)n);
+        return;
+    }
+    const uint8_t *qh = p, *qs = type == T_Q5_0 ? p + 4 * nt : p;
+    for (int c = 0; c < n / 2; c++) {
+        q[c] = (int8_t)(qs[c] & 15);
+        q[c + n / 2] = (int8_t)(qs[c] >> 4);
+    }
+    if (type == T_Q5_0)
+        for (int c = 0; c < n; c++) q[c] = (int8_t)(q[c] | ((qh[c >> 3] >> (c & 7)) & 1) << 4);
+}
+
+/* The contract on one group for R activation rows (x[r]: that row's group), in plain C: the generic body,
+ * and the vector bodies' path for a group size they have no registers for */
+static inline void sf_g32_group(int type, const uint8_t *grp, int nt, const xq32g *const *x, int R, float (*acc)[8]) {
+    float d[8];
+    int8_t q[256];
+    sf_g32_unpack(type, grp, nt, d, q);
+    const int32_t off = sf_g32_offset(type);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < nt; j++) {
+            int32_t p = 0;
+            for (int k = 0; k < 8; k++)
+                for (int t = 0; t < 4; t++) {
+                    const int c = 4 * (nt * k + j) + t;
+                    p += (int32_t)q[c] * (int32_t)x[r]->q[c];
+                }
+            p -= off * x[r]->sum[j];
+            acc[r][j] = fmaf(d[j] * x[r]->d[j], (float)p, acc[r][j]);
+        }
+}
+
 /* ---- The scalar definitions of the contract's floating-point steps (the generic bodies use them; a
  * vector body computes each lane as these do) ---- */
 
@@ -173,16 +236,17 @@ cols_fn sfq_kquant_columns(int type); /* Q4_K, Q6_K (interleaved); 0 for another
 /* A family whose bodies define all six dot products as dot_q4_0 ... dot_q6_k: their column functions and
  * both tables in one line (x86 spreads its bodies over two files and defines them there instead). */
 #define SF_COLUMNS_FROM_DOTS                                                                      \
-    DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32g)                                                    \
     DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)                                                     \
-    DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)                                                     \
-    DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)                                                     \
+    DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32g)                                                    \
+    DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32g)                                                    \
     DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)                                                    \
     DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)                                                    \
     SF_LEGACY_COLUMNS_TABLE                                                                       \
     SF_KQUANT_COLUMNS_TABLE
 
 void sfq_quantize_row32(const float *x, int64_t K, xq32 *out);
+void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out); /* the grouped formats' activations */
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out);
 /* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps) */
 void sfq_rmsnorm_row(const float *x, int64_t K, const float *w, float eps, float *out);
@@ -194,6 +258,21 @@ void sfq_rope_head(const float *x, const float *c, const float *s, int64_t D, fl
 void sfq_attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const float *k, const float *v,
                       int64_t ldk, const int64_t *krow, const int64_t *L, int64_t D, float scale, float *sc,
                       int64_t L8, float *qp, float *out);
+
+/* The activation row of a format: bytes (0 for an unknown type) and the quantizer. Three kinds: xq256 (the K
+ * formats), xq32g groups (Q4_0, Q5_0, Q8_0) and xq32 blocks (Q4_1). */
+static inline int64_t sf_act_row_bytes(int64_t type, int64_t K) {
+    if (sf_is_k(type)) return (K / 256) * (int64_t)sizeof(xq256);
+    if (sf_is_g32(type)) return (K / 32 + 7) / 8 * (int64_t)sizeof(xq32g);
+    return type == T_Q4_1 ? (K / 32) * (int64_t)sizeof(xq32) : 0;
+}
+enum { SF_ACT_256 = 0, SF_ACT_32G = 1, SF_ACT_32 = 2, SF_ACT_KINDS = 3 };
+static inline int sf_act_kind(int64_t type) { return sf_is_k(type) ? SF_ACT_256 : sf_is_g32(type) ? SF_ACT_32G : SF_ACT_32; }
+static inline void sf_quantize_act(int kind, const float *x, int64_t K, void *out) {
+    if (kind == SF_ACT_256) sfq_quantize_row256(x, K, (xq256 *)out);
+    else if (kind == SF_ACT_32G) sfq_quantize_row32g(x, K, (xq32g *)out);
+    else sfq_quantize_row32(x, K, (xq32 *)out);
+}
 
 /* the column function of a format (the table the drivers dispatch on) */
 static inline cols_fn sfq_columns(int64_t type) {

@@ -14,13 +14,7 @@
 #include "q_common.h"
 
 /* bytes of one quantized activation row, 0 for an unknown type */
-int64_t specfleet_q_act_row_bytes(int type, int64_t K) {
-    if (sf_is_k(type)) return (K / 256) * (int64_t)sizeof(xq256);
-    switch (type) {
-    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q8_0: return (K / 32) * (int64_t)sizeof(xq32);
-    default: return 0;
-    }
-}
+int64_t specfleet_q_act_row_bytes(int type, int64_t K) { return sf_act_row_bytes(type, K); }
 
 /* x fp32 [M, K] row-major; W [N, row_bytes] blocks; y fp32 [M, N] (written); act: scratch of
  * M * specfleet_q_act_row_bytes(type, K) bytes, 64-byte aligned. Returns 0, or -1 for an unknown type / bad K. */
@@ -35,10 +29,7 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     const int64_t nb = K / qk;
     uint8_t *a = (uint8_t *)act;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= SF_QUANT_PAR_ROWS && num_threads > 1)
-    for (int64_t m = 0; m < M; m++) {
-        if (kq) sfq_quantize_row256(x + m * K, K, (xq256 *)(a + m * arb));
-        else sfq_quantize_row32(x + m * K, K, (xq32 *)(a + m * arb));
-    }
+    for (int64_t m = 0; m < M; m++) sf_quantize_act(sf_act_kind(type), x + m * K, K, a + m * arb);
     const int64_t nchunks = (N + SF_RCH - 1) / SF_RCH;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
@@ -51,7 +42,7 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     return 0;
 }
 
-int specfleet_q_abi(void) { return 6; } /* runtime/backends/native/kernels.py ABI */
+int specfleet_q_abi(void) { return 7; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }

@@ -4,9 +4,10 @@
  * lanes, and the fp32 steps after them are the same operations in the same order (one fmaf where a
  * body fuses a multiply-add; built with -ffp-contract=off so nothing else is fused).
  *
- * Lanes: the 32-weight formats' lane j holds weights 4j..4j+3 of a block (Q4_0/Q5_0 take their offset
- * times the activation sum off lane 0); the K formats' lane u holds sub-block u (32 weights). Per block
- * acc[j] = fmaf(d_w * d_x, (float)lane[j], acc[j]); a row ends with sf_hsum8. */
+ * Lanes: Q4_1's lane j holds weights 4j..4j+3 of a block; the K formats' lane u holds sub-block u (32
+ * weights); per block acc[j] = fmaf(d_w * d_x, (float)lane[j], acc[j]). The grouped formats (Q4_0, Q5_0,
+ * Q8_0) sum a block whole (its offset times the activation sum taken off) into lane b % 8
+ * (q_common.h's sf_g32_group). A row ends with sf_hsum8. */
 #include "../q_common.h"
 
 const char *sfq_isa_name(void) { return "generic"; }
@@ -32,6 +33,21 @@ static int32_t quant32(const float *x, int8_t *q, float *d_out) {
 
 void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
     for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
+}
+
+void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; 8 * g < nb; g++) {
+        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
+        xq32g *o = out + g;
+        memset(o->d, 0, sizeof o->d);
+        memset(o->sum, 0, sizeof o->sum);
+        for (int j = 0; j < nt; j++) {
+            int8_t nat[32];
+            o->sum[j] = quant32(x + 32 * (8 * g + j), nat, &o->d[j]);
+            sf_xq32g_put(o, nt, j, nat);
+        }
+    }
 }
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
@@ -119,17 +135,32 @@ static inline void dot32(int type, int64_t bsize, const uint8_t *wrow, int64_t n
     for (int r = 0; r < R; r++) out[r] = type == T_Q4_1 ? sf_hsum8(acc[r]) + cacc[r] : sf_hsum8(acc[r]);
 }
 
-static inline void dot_q4_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q4_0, sizeof(b_q4_0), w, nb, x, R, out);
+/* one weight row of a grouped format (q_common.h) against R activation rows: the contract, group by group */
+static inline void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32g *const *x, int R, float *out) {
+    float acc[TILE][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 8; j++) acc[r][j] = 0.0f;
+    const int64_t gbytes = 8 * sf_g32_block_bytes(type);
+    for (int64_t g = 0; 8 * g < nb; g++) {
+        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
+        const xq32g *xg[TILE];
+        for (int r = 0; r < R; r++) xg[r] = x[r] + g;
+        sf_g32_group(type, wrow + g * gbytes, nt, xg, R, acc);
+    }
+    for (int r = 0; r < R; r++) out[r] = sf_hsum8(acc[r]);
+}
+
+static inline void dot_q4_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) {
+    dot_g32(T_Q4_0, w, nb, x, R, out);
 }
 static inline void dot_q4_1(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
     dot32(T_Q4_1, sizeof(b_q4_1), w, nb, x, R, out);
 }
-static inline void dot_q5_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q5_0, sizeof(b_q5_0), w, nb, x, R, out);
+static inline void dot_q5_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) {
+    dot_g32(T_Q5_0, w, nb, x, R, out);
 }
-static inline void dot_q8_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q8_0, sizeof(b_q8_0), w, nb, x, R, out);
+static inline void dot_q8_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) {
+    dot_g32(T_Q8_0, w, nb, x, R, out);
 }
 
 /* the sub-block totals of a K block: lane u = sum over registers t in [t0, t1) of bytes 4u..4u+3 of

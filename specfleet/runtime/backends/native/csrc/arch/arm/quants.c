@@ -3,7 +3,8 @@
  * ../../q_common.h), the generic bodies' bits (../../generic/quants.c).
  *
  * vdotq_s32 sums four int8 x int8 products into each int32 lane: for a 32-byte register of the contract
- * (eight lanes) that is two 16-byte registers, lanes 0-3 and 4-7. The sums are exact (|q| <= 127 for the
+ * (eight lanes) that is two 16-byte registers, lanes 0-3 and 4-7 (for the grouped formats, blocks 0-3 and 4-7
+ * of a group). The sums are exact (|q| <= 127 for the
  * activations, weight quants below 64 or Q8_0's int8), so they equal every other body's integers; the
  * fp32 epilogue per block is the generic body's, lane by lane (vfmaq_f32 for its fmaf). */
 #include "arm.h"
@@ -39,6 +40,24 @@ void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
         const float mx = absmax(x + 32 * b, 32);
         out[b].d = mx / 127.0f;
         out[b].sum = quant_lanes(x + 32 * b, 32, mx > 0.0f ? 127.0f / mx : 0.0f, out[b].q);
+    }
+}
+
+void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; 8 * g < nb; g++) {
+        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
+        xq32g *o = out + g;
+        memset(o->d, 0, sizeof o->d);
+        memset(o->sum, 0, sizeof o->sum);
+        for (int j = 0; j < nt; j++) {
+            const float *xb = x + 32 * (8 * g + j);
+            const float mx = absmax(xb, 32);
+            int8_t nat[32];
+            o->d[j] = mx / 127.0f;
+            o->sum[j] = quant_lanes(xb, 32, mx > 0.0f ? 127.0f / mx : 0.0f, nat);
+            sf_xq32g_put(o, nt, j, nat);
+        }
     }
 }
 
@@ -115,20 +134,86 @@ ALWAYS_INLINE void dot32(int type, int64_t bsize, const uint8_t *wrow, int64_t n
     for (int r = 0; r < R; r++) out[r] = type == T_Q4_1 ? hsum8(lo[r], hi[r]) + cacc[r] : hsum8(lo[r], hi[r]);
 }
 
-ALWAYS_INLINE void dot_q4_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q4_0, sizeof(b_q4_0), w, nb, x, R, out);
-}
 ALWAYS_INLINE void dot_q4_1(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
     dot32(T_Q4_1, sizeof(b_q4_1), w, nb, x, R, out);
 }
-ALWAYS_INLINE void dot_q5_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q5_0, sizeof(b_q5_0), w, nb, x, R, out);
-}
-ALWAYS_INLINE void dot_q8_0(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q8_0, sizeof(b_q8_0), w, nb, x, R, out);
+
+/* ---- The grouped formats Q4_0, Q5_0, Q8_0 (../../q_common.h): byte c = 4 (nt k + j) + t of a group is weight
+ * 4k + t of block j, so in a full group the 16-byte chunk 2k holds blocks 0-3 and chunk 2k + 1 blocks 4-7
+ * (lanes lo and hi of the contract), and in a group of four chunk k holds blocks 0-3. vdotq_s32 adds the
+ * chunks lane by lane into the blocks' totals; one fp32 epilogue per four blocks. ---- */
+
+/* 16-byte chunk i of a group's quants (nt blocks; 2 * nt chunks), offsets not applied */
+ALWAYS_INLINE int8x16_t g32_chunk(int type, const uint8_t *grp, int nt, int i) {
+    const uint8_t *p = grp + 2 * nt;
+    if (type == T_Q8_0) return vld1q_s8((const int8_t *)p + 16 * i);
+    const uint8_t *qs = type == T_Q5_0 ? p + 4 * nt : p;
+    const uint8x16_t v = vld1q_u8(qs + 16 * (i % nt)); /* qs[n]: byte n low, byte n + 16 nt high */
+    uint8x16_t u = i < nt ? vandq_u8(v, vdupq_n_u8(0x0f)) : vshrq_n_u8(v, 4);
+    if (type == T_Q5_0) u = vorrq_u8(u, fifth_bits(p, i)); /* bits 16i..16i+15: qh bytes 2i, 2i + 1 */
+    return vreinterpretq_s8_u8(u);
 }
 
-/* Q4_K: register t (of 8, 32 bytes: halves [t][0] for sub-blocks 0-3, [t][1] for 4-7) */
+/* four blocks' epilogue: lanes P (totals), scales at dw (4 halves), activation scales and sums at xd, xs */
+ALWAYS_INLINE float32x4_t g32_acc4(int type, int32x4_t P, const uint8_t *dw, const float *xd, const int32_t *xs,
+                                   float32x4_t acc) {
+    const int32_t off = sf_g32_offset(type);
+    if (off) P = vsubq_s32(P, vmulq_n_s32(vld1q_s32(xs), off));
+    const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(dw)));
+    return vfmaq_f32(acc, vmulq_f32(d, vld1q_f32(xd)), vcvtq_f32_s32(P));
+}
+
+ALWAYS_INLINE void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32g *const *x, int R, float *out) {
+    float32x4_t lo[TILE], hi[TILE];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = vdupq_n_f32(0.0f);
+    const int64_t gbytes = 8 * sf_g32_block_bytes(type), ng = nb / 8;
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *grp = wrow + g * gbytes;
+        stream_ahead(grp, gbytes);
+        int8x16_t w[16];
+        for (int i = 0; i < 16; i++) w[i] = g32_chunk(type, grp, 8, i);
+        for (int r = 0; r < R; r++) {
+            const xq32g *xg = x[r] + g;
+            int32x4_t pl = vdupq_n_s32(0), ph = vdupq_n_s32(0);
+            for (int k = 0; k < 8; k++) {
+                pl = vdotq_s32(pl, w[2 * k], vld1q_s8(xg->q + 32 * k));
+                ph = vdotq_s32(ph, w[2 * k + 1], vld1q_s8(xg->q + 32 * k + 16));
+            }
+            lo[r] = g32_acc4(type, pl, grp, xg->d, xg->sum, lo[r]);
+            hi[r] = g32_acc4(type, ph, grp + 8, xg->d + 4, xg->sum + 4, hi[r]);
+        }
+    }
+    const int nt = (int)(nb - 8 * ng);
+    const uint8_t *grp = wrow + ng * gbytes;
+    if (nt == 4) {
+        int8x16_t w[8];
+        for (int i = 0; i < 8; i++) w[i] = g32_chunk(type, grp, 4, i);
+        for (int r = 0; r < R; r++) {
+            const xq32g *xg = x[r] + ng;
+            int32x4_t p = vdupq_n_s32(0);
+            for (int k = 0; k < 8; k++) p = vdotq_s32(p, w[k], vld1q_s8(xg->q + 16 * k));
+            lo[r] = g32_acc4(type, p, grp, xg->d, xg->sum, lo[r]);
+        }
+    } else if (nt) {
+        float a[TILE][8];
+        const xq32g *xg[TILE];
+        for (int r = 0; r < R; r++) {
+            vst1q_f32(a[r], lo[r]);
+            vst1q_f32(a[r] + 4, hi[r]);
+            xg[r] = x[r] + ng;
+        }
+        sf_g32_group(type, grp, nt, xg, R, a);
+        for (int r = 0; r < R; r++) {
+            lo[r] = vld1q_f32(a[r]);
+            hi[r] = vld1q_f32(a[r] + 4);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(lo[r], hi[r]);
+}
+ALWAYS_INLINE void dot_q4_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q4_0, w, nb, x, R, out); }
+ALWAYS_INLINE void dot_q5_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q5_0, w, nb, x, R, out); }
+ALWAYS_INLINE void dot_q8_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q8_0, w, nb, x, R, out); }
+
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     float32x4_t lo[TILE], hi[TILE];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = vdupq_n_f32(0.0f);

@@ -1,11 +1,12 @@
 /* The 32-weight GGUF formats on x86-64 (AVX2, AVX-VNNI, AVX512-VNNI; see x86.h and ../../q_common.h): one weight row
- * against up to TILE int8 activation rows, and the activation quantizer for 32-value blocks.
+ * against up to TILE int8 activation rows, and the activation quantizers for 32-value blocks.
  *
- * Block layouts: ../../q_common.h.
+ * Block layouts: ../../q_common.h (Q4_0, Q5_0 and Q8_0 in its groups of eight blocks, Q4_1 as the file has it).
  * The products: nibbles (and Q5_0's fifth bit) unpacked to unsigned bytes, times the activation quants
- * by maddubs/madd; the -8 / -16 offsets come off through the activation block's quant sum, Q4_1's
- * m term is m * d_x * sum, Q8_0's signed quants move their sign onto the activation (sign_epi8).
- * Per block the integer sum is scaled by d_w * d_x in fp32 into an 8-lane accumulator. */
+ * by maddubs/madd or vpdpbusd; the -8 / -16 offsets come off through the activation block's quant sum,
+ * Q4_1's m term is m * d_x * sum, Q8_0's signed quants move their sign onto the activation (sign_epi8).
+ * Q4_1: per block the integer lanes are scaled by d_w * d_x in fp32 into an 8-lane accumulator; the
+ * grouped formats: per group of eight blocks, one lane per block. */
 #include "x86.h"
 
 /* 32 floats -> 32 int8 (round to nearest) with scale d = amax / 127; returns the quants' sum. */
@@ -45,6 +46,25 @@ void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
     for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
 }
 
+/* the grouped formats' activations (q_common.h): each block quantized as above, its dwords then placed in
+ * its group's order */
+void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; 8 * g < nb; g++) {
+        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
+        xq32g *o = out + g;
+        if (nt < 8) {
+            memset(o->d, 0, sizeof o->d);
+            memset(o->sum, 0, sizeof o->sum);
+        }
+        for (int j = 0; j < nt; j++) {
+            _Alignas(32) int8_t nat[32];
+            o->sum[j] = quant32(x + 32 * (8 * g + j), nat, &o->d[j]);
+            sf_xq32g_put(o, nt, j, nat);
+        }
+    }
+}
+
 
 /* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31); the bytes
  * go to both lanes, the high lane's dwords shift down by 4 (bits of the next byte are masked away) */
@@ -66,23 +86,6 @@ ALWAYS_INLINE __m256i highbits32(const uint8_t *qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-ALWAYS_INLINE void dot_q4_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
-    ACC_INIT(R)
-    const b_q4_0 *w = (const b_q4_0 *)wrow;
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_0));
-        const float d = h2f(w[b].d);
-        const __m256i q = nibbles32(w[b].qs);
-        for (int r = 0; r < R; r++) {
-            const xq32 *xb = &x[r][b];
-            __m256i p = dot_u8i8(q, _mm256_loadu_si256((const __m256i *)xb->q));
-            p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * xb->sum, 0, 0, 0, 0, 0, 0, 0));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-
 ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
     ACC_INIT(R)
     const b_q4_1 *w = (const b_q4_1 *)wrow;
@@ -100,90 +103,117 @@ ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + cacc[r];
 }
 
-ALWAYS_INLINE void dot_q5_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
-    ACC_INIT(R)
-    const b_q5_0 *w = (const b_q5_0 *)wrow;
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q5_0));
-        const float d = h2f(w[b].d);
-        const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), highbits32(w[b].qh));
-        for (int r = 0; r < R; r++) {
-            const xq32 *xb = &x[r][b];
-            __m256i p = dot_u8i8(q, _mm256_loadu_si256((const __m256i *)xb->q));
-            p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * xb->sum, 0, 0, 0, 0, 0, 0, 0));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
-        }
+/* ---- The grouped formats Q4_0, Q5_0, Q8_0 (q_common.h): a group of eight blocks is eight 32-byte registers,
+ * lane j of each holding four quants of block j, so the registers' products add up lane by lane into the
+ * eight blocks' totals, and one fp32 epilogue (eight scales, one conversion, one fused multiply-add)
+ * serves the group. A row's last group of four blocks (K = 128 mod 256, e.g. 896) is four registers of
+ * two four-block halves folded once; other tails go through the contract's plain C (sf_g32_group). ---- */
+
+/* The quants of a group of nt = 8 (n = 8 registers) or nt = 4 (n = 4) blocks, register k holding bytes
+ * 32k..32k+31 of the group's order (offsets not applied) */
+ALWAYS_INLINE void g32_regs(int type, const uint8_t *grp, int nt, __m256i *w) {
+    const int n = nt; /* registers: 32 * nt bytes of quants */
+    const uint8_t *p = grp + 2 * nt;
+    if (type == T_Q8_0) {
+        for (int k = 0; k < n; k++) w[k] = _mm256_loadu_si256((const __m256i *)(p + 32 * k));
+        return;
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+    const uint8_t *qh = p, *qs = type == T_Q5_0 ? p + 4 * nt : p;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int m = 0; m < n / 2; m++) { /* qs[n] low nibble: byte n, high nibble: byte n + 16 nt */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * m));
+        w[m] = _mm256_and_si256(v, m4);
+        w[m + n / 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if (type == T_Q5_0)
+        for (int k = 0; k < n; k++) w[k] = _mm256_or_si256(w[k], highbits32(qh + 4 * k));
 }
 
-ALWAYS_INLINE void dot_q8_0(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
-    ACC_INIT(R)
-    const b_q8_0 *w = (const b_q8_0 *)wrow;
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q8_0));
-        const float d = h2f(w[b].d);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
-        const __m256i aq = _mm256_sign_epi8(q, q); /* |w|, and the sign moves onto x */
-        for (int r = 0; r < R; r++) {
-            const xq32 *xb = &x[r][b];
-            const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q);
-            __m256i p = dot_u8i8(aq, sx);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
-        }
+/* the int32 lane totals of n registers of weights (w; u: Q8_0's |w|) against activation quants xq */
+ALWAYS_INLINE __m256i g32_sum(int type, const __m256i *w, const __m256i *u, const int8_t *xq, int n) {
+#ifdef SF_VNNI
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* two chains; exact in any order */
+    for (int k = 0; k < n; k++) {
+        __m256i xv = _mm256_load_si256((const __m256i *)(xq + 32 * k));
+        const __m256i wk = type == T_Q8_0 ? u[k] : w[k];
+        if (type == T_Q8_0) xv = _mm256_sign_epi8(xv, w[k]); /* |w|, and the sign moves onto x */
+        if (k & 1) s1 = dpbusd256(s1, wk, xv);
+        else s0 = dpbusd256(s0, wk, xv);
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-
-#ifdef SF_VNNI512
-/* Q4_0 / Q5_0 two weight rows at once for several activation rows (as q_kquants.c's dot2_q4_k): the two
- * rows' unpacked blocks side by side in a 512-bit register, the activation block in both halves; lane by
- * lane the one-row kernel's instructions (the offset off * sum taken off lane 0 of each half), so a row's
- * bits do not depend on pairing. */
-ALWAYS_INLINE void dot2_offset(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq32 *const *x, int R,
-                               float *out0, float *out1, int five_bit) {
-    __m512 acc[TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t bs = five_bit ? (int64_t)sizeof(b_q5_0) : (int64_t)sizeof(b_q4_0);
-    const int32_t off = five_bit ? 16 : 8;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p0 = row0 + b * bs, *p1 = row1 + b * bs;
-        stream_ahead(p0, bs);
-        stream_ahead(p1, bs);
-        __m256i q0, q1;
-        if (five_bit) {
-            const b_q5_0 *a = (const b_q5_0 *)p0, *c = (const b_q5_0 *)p1;
-            q0 = _mm256_or_si256(nibbles32(a->qs), highbits32(a->qh));
-            q1 = _mm256_or_si256(nibbles32(c->qs), highbits32(c->qh));
-        } else {
-            q0 = nibbles32(((const b_q4_0 *)p0)->qs);
-            q1 = nibbles32(((const b_q4_0 *)p1)->qs);
-        }
-        const __m512i q = pair_i(q0, q1);
-        const __m512 dw = pair_f(_mm256_set1_ps(h2f(*(const uint16_t *)p0)), _mm256_set1_ps(h2f(*(const uint16_t *)p1)));
-        for (int r = 0; r < R; r++) {
-            const xq32 *xb = &x[r][b];
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, both_i(xb->q));
-            p = _mm512_sub_epi32(p, _mm512_maskz_set1_epi32(0x0101, off * xb->sum));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    pair_out(acc, R, out0, out1);
-}
-ALWAYS_INLINE void dot2_q4_0(const uint8_t *w0, const uint8_t *w1, int64_t nb, const xq32 *const *x, int R, float *o0, float *o1) {
-    dot2_offset(w0, w1, nb, x, R, o0, o1, 0);
-}
-ALWAYS_INLINE void dot2_q5_0(const uint8_t *w0, const uint8_t *w1, int64_t nb, const xq32 *const *x, int R, float *o0, float *o1) {
-    dot2_offset(w0, w1, nb, x, R, o0, o1, 1);
-}
-DEFINE_COLUMNS_PAIRED(cols_q4_0, dot_q4_0, dot2_q4_0, xq32)
-DEFINE_COLUMNS_PAIRED(cols_q5_0, dot_q5_0, dot2_q5_0, xq32)
+    return _mm256_add_epi32(s0, s1);
 #else
-DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32)
-DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32)
+    /* maddubs sums pairs into int16; int16 sums of registers stay exact up to: Q4_0 all eight
+     * (8 * 2 * 15 * 127 = 30480), Q5_0 four (4 * 2 * 31 * 127 = 31496), Q8_0 one (2 * 128 * 127) */
+    const int per = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 4 : 1;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+    for (int k = 0; k < n; k++) {
+        __m256i xv = _mm256_load_si256((const __m256i *)(xq + 32 * k));
+        const __m256i wk = type == T_Q8_0 ? u[k] : w[k];
+        if (type == T_Q8_0) xv = _mm256_sign_epi8(xv, w[k]);
+        const __m256i p = _mm256_maddubs_epi16(wk, xv);
+        t = k % per ? _mm256_add_epi16(t, p) : p;
+        if (k % per == per - 1 || k == n - 1) s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+    }
+    return s;
 #endif
+}
+
+ALWAYS_INLINE void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32g *const *x, int R, float *out) {
+    ACC_INIT(R)
+    const int64_t gbytes = 8 * sf_g32_block_bytes(type), ng = nb / 8;
+    const int sh = type == T_Q4_0 ? 3 : 4; /* the offset (8 or 16) times the activation sums */
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *grp = wrow + g * gbytes;
+        stream_ahead(grp, gbytes);
+        __m256i w[8], u[8];
+        g32_regs(type, grp, 8, w);
+        if (type == T_Q8_0)
+            for (int k = 0; k < 8; k++) u[k] = _mm256_sign_epi8(w[k], w[k]);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));
+        for (int r = 0; r < R; r++) {
+            const xq32g *xg = x[r] + g;
+            __m256i s = g32_sum(type, w, u, xg->q, 8);
+            if (type != T_Q8_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_load_si256((const __m256i *)xg->sum), sh));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_load_ps(xg->d)), _mm256_cvtepi32_ps(s), acc[r]);
+        }
+    }
+    const int nt = (int)(nb - 8 * ng);
+    const uint8_t *grp = wrow + ng * gbytes;
+    if (nt == 4) { /* register k: blocks 0-3 of steps 2k (low half) and 2k + 1 (high half) */
+        __m256i w[4], u[4];
+        g32_regs(type, grp, 4, w);
+        if (type == T_Q8_0)
+            for (int k = 0; k < 4; k++) u[k] = _mm256_sign_epi8(w[k], w[k]);
+        const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)grp));
+        for (int r = 0; r < R; r++) {
+            const xq32g *xg = x[r] + ng;
+            const __m256i s8 = g32_sum(type, w, u, xg->q, 4);
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            if (type != T_Q8_0) s = _mm_sub_epi32(s, _mm_slli_epi32(_mm_load_si128((const __m128i *)xg->sum), sh));
+            const __m128 lo = _mm_fmadd_ps(_mm_mul_ps(dw, _mm_load_ps(xg->d)), _mm_cvtepi32_ps(s), _mm256_castps256_ps128(acc[r]));
+            acc[r] = _mm256_insertf128_ps(acc[r], lo, 0);
+        }
+    } else if (nt) {
+        float a[TILE][8];
+        const xq32g *xg[TILE];
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(a[r], acc[r]);
+            xg[r] = x[r] + ng;
+        }
+        sf_g32_group(type, grp, nt, xg, R, a);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_loadu_ps(a[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+ALWAYS_INLINE void dot_q4_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q4_0, w, nb, x, R, out); }
+ALWAYS_INLINE void dot_q5_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q5_0, w, nb, x, R, out); }
+ALWAYS_INLINE void dot_q8_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) { dot_g32(T_Q8_0, w, nb, x, R, out); }
+
+DEFINE_COLUMNS(cols_q4_0, dot_q4_0, xq32g)
+DEFINE_COLUMNS(cols_q5_0, dot_q5_0, xq32g)
 DEFINE_COLUMNS(cols_q4_1, dot_q4_1, xq32)
-DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32)
+DEFINE_COLUMNS(cols_q8_0, dot_q8_0, xq32g)
 
 SF_LEGACY_COLUMNS_TABLE
 
