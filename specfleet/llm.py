@@ -34,8 +34,14 @@ from specfleet.strategies.factory import SpecConfig, build_proposer
 from specfleet.strategies.structured_front import structured_front
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-# The default draft of the default model, per device. On the CPU, weightless drafts (d ~ 0) win: the 0.5B
-# draft costs about half a target step per token there and at best breaks even (0.93-0.99x). The fleet of
+# The default draft of the default model, per device. On the CPU the default stays weightless (d ~ 0),
+# though a draft model now pays on fresh code: since the grouped 32-weight kernels the 0.5B draft costs 0.38
+# of a target step per token (0.30 requantized, `qwen-0.5b[quant=q4_0]`), and the fleet with it made 1.45x
+# against the weightless fleet's 1.27x on raw HumanEval prompts, 1.41x against 1.18x with the chat template,
+# and about the same elsewhere (code edits 2.12x / 2.10x, chat 1.25x / 1.23x, tool loops 1.02x / 1.02x;
+# workloads-cpu-20261127T103541Z). It costs ~11 s more loading and ~0.4 GB more memory, and at 8 concurrent
+# streams the fleet called it where it lost (0.83x plain, fleet-cpu-20261127T095718Z): an option (README),
+# not the default. The fleet of
 # the suffix-tree draft and prompt lookup, trimmed per step to what verification costs on the machine, made
 # 1.20x / 1.11x / 1.13x plain decoding on the fleet preset's HumanEval, ShareGPT and HumanEval-t0.7 parts
 # against 1.16x / 1.11x / 1.12x for suffix alone, and 1.01x against 1.00x on ShareGPT-t0.7. On CUDA the same
