@@ -75,64 +75,32 @@ static inline void lanes32(const int8_t *q, const int8_t *x, int32_t *p) {
     }
 }
 
-/* the 32 quants of a 32-weight block, in weight order (offsets not applied) */
-static inline void unpack32(int type, const uint8_t *blk, int8_t *q, float *d, float *m) {
-    switch (type) {
-    case T_Q4_0: case T_Q4_1: {
-        const uint8_t *qs = type == T_Q4_0 ? ((const b_q4_0 *)blk)->qs : ((const b_q4_1 *)blk)->qs;
-        for (int i = 0; i < 16; i++) {
-            q[i] = (int8_t)(qs[i] & 15);
-            q[i + 16] = (int8_t)(qs[i] >> 4);
-        }
-        *d = sf_half_to_float(*(const uint16_t *)blk);
-        *m = type == T_Q4_1 ? sf_half_to_float(((const b_q4_1 *)blk)->m) : 0.0f;
-        break;
-    }
-    case T_Q5_0: {
-        const b_q5_0 *w = (const b_q5_0 *)blk;
-        uint32_t h;
-        memcpy(&h, w->qh, 4);
-        for (int i = 0; i < 16; i++) {
-            q[i] = (int8_t)((w->qs[i] & 15) | ((h >> i) & 1) << 4);
-            q[i + 16] = (int8_t)((w->qs[i] >> 4) | ((h >> (i + 16)) & 1) << 4);
-        }
-        *d = sf_half_to_float(w->d);
-        *m = 0.0f;
-        break;
-    }
-    default: { /* Q8_0 */
-        const b_q8_0 *w = (const b_q8_0 *)blk;
-        memcpy(q, w->qs, 32);
-        *d = sf_half_to_float(w->d);
-        *m = 0.0f;
-    }
-    }
-}
-
-/* one weight row of a 32-weight format against R activation rows */
-static inline void dot32(int type, int64_t bsize, const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R,
-                         float *out) {
+/* Q4_1 (the one 32-weight format kept in the file's order) against R activation rows: per block the eight
+ * lanes scaled by d_w * d_x, and the m term m * d_x * sum beside them */
+static inline void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
     float acc[TILE][8], cacc[TILE];
     for (int r = 0; r < R; r++) {
         for (int j = 0; j < 8; j++) acc[r][j] = 0.0f;
         cacc[r] = 0.0f;
     }
-    const int32_t off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
     for (int64_t b = 0; b < nb; b++) {
+        const b_q4_1 *w = (const b_q4_1 *)(wrow + b * (int64_t)sizeof(b_q4_1));
         int8_t q[32];
-        float d, m;
-        unpack32(type, wrow + b * bsize, q, &d, &m);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)(w->qs[i] & 15);
+            q[i + 16] = (int8_t)(w->qs[i] >> 4);
+        }
+        const float d = sf_half_to_float(w->d), m = sf_half_to_float(w->m);
         for (int r = 0; r < R; r++) {
             const xq32 *xb = &x[r][b];
             int32_t p[8];
             lanes32(q, xb->q, p);
-            p[0] -= off * xb->sum;
             const float s = d * xb->d;
             for (int j = 0; j < 8; j++) acc[r][j] = fmaf(s, (float)p[j], acc[r][j]);
-            if (type == T_Q4_1) cacc[r] += m * (xb->d * (float)xb->sum);
+            cacc[r] += m * (xb->d * (float)xb->sum);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = type == T_Q4_1 ? sf_hsum8(acc[r]) + cacc[r] : sf_hsum8(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = sf_hsum8(acc[r]) + cacc[r];
 }
 
 /* one weight row of a grouped format (q_common.h) against R activation rows: the contract, group by group */
@@ -152,9 +120,6 @@ static inline void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32
 
 static inline void dot_q4_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) {
     dot_g32(T_Q4_0, w, nb, x, R, out);
-}
-static inline void dot_q4_1(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q4_1, sizeof(b_q4_1), w, nb, x, R, out);
 }
 static inline void dot_q5_0(const uint8_t *w, int64_t nb, const xq32g *const *x, int R, float *out) {
     dot_g32(T_Q5_0, w, nb, x, R, out);

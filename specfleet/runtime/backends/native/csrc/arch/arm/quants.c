@@ -85,58 +85,35 @@ ALWAYS_INLINE uint8x16_t fifth_bits(const uint8_t *qh, int h) {
     return vandq_u8(vtstq_u8(v, vld1q_u8(bit)), vdupq_n_u8(0x10));
 }
 
-/* one weight row of a 32-weight format against R activation rows: w0 (weights 0-15) and w1 (16-31) */
-ALWAYS_INLINE void dot32(int type, int64_t bsize, const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R,
-                         float *out) {
+/* Q4_1 (the one 32-weight format kept in the file's order) against R activation rows: w0 (weights 0-15) and
+ * w1 (16-31) */
+ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *x, int R, float *out) {
     float32x4_t lo[TILE], hi[TILE];
     float cacc[TILE];
     for (int r = 0; r < R; r++) {
         lo[r] = hi[r] = vdupq_n_f32(0.0f);
         cacc[r] = 0.0f;
     }
-    const int32_t off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * bsize;
-        stream_ahead(blk, bsize);
-        int8x16_t w0, w1;
-        float m = 0.0f;
-        if (type == T_Q8_0) {
-            const b_q8_0 *w = (const b_q8_0 *)blk;
-            w0 = vld1q_s8(w->qs);
-            w1 = vld1q_s8(w->qs + 16);
-        } else {
-            const uint8_t *qs = type == T_Q4_0 ? ((const b_q4_0 *)blk)->qs
-                                : type == T_Q4_1 ? ((const b_q4_1 *)blk)->qs : ((const b_q5_0 *)blk)->qs;
-            const uint8x16_t v = vld1q_u8(qs);
-            uint8x16_t u0 = vandq_u8(v, m4), u1 = vshrq_n_u8(v, 4);
-            if (type == T_Q5_0) {
-                const uint8_t *qh = ((const b_q5_0 *)blk)->qh;
-                u0 = vorrq_u8(u0, fifth_bits(qh, 0));
-                u1 = vorrq_u8(u1, fifth_bits(qh, 1));
-            }
-            if (type == T_Q4_1) m = h2f(((const b_q4_1 *)blk)->m);
-            w0 = vreinterpretq_s8_u8(u0);
-            w1 = vreinterpretq_s8_u8(u1);
-        }
-        const float d = h2f(*(const uint16_t *)blk);
+        const b_q4_1 *w = (const b_q4_1 *)(wrow + b * (int64_t)sizeof(b_q4_1));
+        stream_ahead(w, sizeof(b_q4_1));
+        const uint8x16_t v = vld1q_u8(w->qs);
+        const int8x16_t w0 = vreinterpretq_s8_u8(vandq_u8(v, m4)), w1 = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+        const float d = h2f(w->d), m = h2f(w->m);
         for (int r = 0; r < R; r++) {
             const xq32 *xb = &x[r][b];
-            int32x4_t p0 = vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(xb->q));
+            const int32x4_t p0 = vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(xb->q));
             const int32x4_t p1 = vdotq_s32(vdupq_n_s32(0), w1, vld1q_s8(xb->q + 16));
-            if (off) p0 = vsetq_lane_s32(vgetq_lane_s32(p0, 0) - off * xb->sum, p0, 0);
             const float32x4_t s = vdupq_n_f32(d * xb->d);
             lo[r] = vfmaq_f32(lo[r], s, vcvtq_f32_s32(p0));
             hi[r] = vfmaq_f32(hi[r], s, vcvtq_f32_s32(p1));
-            if (type == T_Q4_1) cacc[r] += m * (xb->d * (float)xb->sum);
+            cacc[r] += m * (xb->d * (float)xb->sum);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = type == T_Q4_1 ? hsum8(lo[r], hi[r]) + cacc[r] : hsum8(lo[r], hi[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum8(lo[r], hi[r]) + cacc[r];
 }
 
-ALWAYS_INLINE void dot_q4_1(const uint8_t *w, int64_t nb, const xq32 *const *x, int R, float *out) {
-    dot32(T_Q4_1, sizeof(b_q4_1), w, nb, x, R, out);
-}
 
 /* ---- The grouped formats Q4_0, Q5_0, Q8_0 (../../q_common.h): byte c = 4 (nt k + j) + t of a group is weight
  * 4k + t of block j, so in a full group the 16-byte chunk 2k holds blocks 0-3 and chunk 2k + 1 blocks 4-7
