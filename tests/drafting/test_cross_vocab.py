@@ -247,7 +247,10 @@ def test_greedy_equals_plain_composed(pair, spec):
     assert leaf is not None, "the factory did not detect the other vocabulary"
     eng = make_engine(target, proposer)
     assert [o.token_ids for o in run_to_completion(eng, prompts, GREEDY)] == [o.token_ids for o in plain]
-    assert 0 < eng.stats.num_accepted < eng.stats.num_drafted
+    # drafts were verified and some landed; that the split draft is sometimes wrong is the single-draft test's
+    # check above: a composition picks per step from measured step times, so a run may keep only drafts that
+    # all land (a full CI run once saw 25 of 25 for the fleet)
+    assert 0 < eng.stats.num_accepted <= eng.stats.num_drafted
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert leaf.blocks.num_free_blocks == leaf.blocks.num_blocks
 
