@@ -120,6 +120,27 @@ static inline void sf_xq32g_put(xq32g *g, int nt, int j, const int8_t *nat) {
     for (int k = 0; k < 8; k++) memcpy(g->q + 4 * (nt * k + j), nat + 4 * k, 4);
 }
 
+/* sfq_quantize_row32g for a body whose QUANT32(x, q, &d) quantizes 32 floats to q (element order), writes the
+ * scale to d and returns the quants' sum: each block so, its dwords then placed in its group's order (the
+ * scales and sums past a short group's blocks zeroed). One definition of the group loop for every body. */
+#define SF_DEFINE_QUANTIZE_ROW32G(QUANT32)                                                          \
+    void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {                               \
+        const int64_t nb = K / 32;                                                                   \
+        for (int64_t g = 0; 8 * g < nb; g++) {                                                       \
+            const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;                                   \
+            xq32g *o = out + g;                                                                      \
+            if (nt < 8) {                                                                            \
+                memset(o->d, 0, sizeof o->d);                                                        \
+                memset(o->sum, 0, sizeof o->sum);                                                    \
+            }                                                                                        \
+            for (int j = 0; j < nt; j++) {                                                           \
+                _Alignas(32) int8_t nat[32];                                                         \
+                o->sum[j] = QUANT32(x + 32 * (8 * g + j), nat, &o->d[j]);                            \
+                sf_xq32g_put(o, nt, j, nat);                                                         \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
 /* A weight group's nt scales (as floats) and its quants in the group's byte order (offsets not applied) */
 static inline void sf_g32_unpack(int type, const uint8_t *grp, int nt, float *d, int8_t *q) {
     for (int j = 0; j < nt; j++) d[j] = sf_half_to_float((uint16_t)(grp[2 * j] | grp[2 * j + 1] << 8));

@@ -35,20 +35,7 @@ void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
     for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
 }
 
-void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; 8 * g < nb; g++) {
-        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
-        xq32g *o = out + g;
-        memset(o->d, 0, sizeof o->d);
-        memset(o->sum, 0, sizeof o->sum);
-        for (int j = 0; j < nt; j++) {
-            int8_t nat[32];
-            o->sum[j] = quant32(x + 32 * (8 * g + j), nat, &o->d[j]);
-            sf_xq32g_put(o, nt, j, nat);
-        }
-    }
-}
+SF_DEFINE_QUANTIZE_ROW32G(quant32)
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
     for (int64_t b = 0; b < K / 256; b++) {

@@ -35,31 +35,18 @@ ALWAYS_INLINE float absmax(const float *x, int n) {
     return vmaxvq_f32(m); /* the maximum is exact in any order */
 }
 
-void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float mx = absmax(x + 32 * b, 32);
-        out[b].d = mx / 127.0f;
-        out[b].sum = quant_lanes(x + 32 * b, 32, mx > 0.0f ? 127.0f / mx : 0.0f, out[b].q);
-    }
+/* 32 floats -> 32 int8 with scale d = amax / 127; returns the quants' sum */
+ALWAYS_INLINE int32_t quant32(const float *x, int8_t *q, float *d) {
+    const float mx = absmax(x, 32);
+    *d = mx / 127.0f;
+    return quant_lanes(x, 32, mx > 0.0f ? 127.0f / mx : 0.0f, q);
 }
 
-void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; 8 * g < nb; g++) {
-        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
-        xq32g *o = out + g;
-        memset(o->d, 0, sizeof o->d);
-        memset(o->sum, 0, sizeof o->sum);
-        for (int j = 0; j < nt; j++) {
-            const float *xb = x + 32 * (8 * g + j);
-            const float mx = absmax(xb, 32);
-            int8_t nat[32];
-            o->d[j] = mx / 127.0f;
-            o->sum[j] = quant_lanes(xb, 32, mx > 0.0f ? 127.0f / mx : 0.0f, nat);
-            sf_xq32g_put(o, nt, j, nat);
-        }
-    }
+void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
+    for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
 }
+
+SF_DEFINE_QUANTIZE_ROW32G(quant32)
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
     for (int64_t b = 0; b < K / 256; b++) {

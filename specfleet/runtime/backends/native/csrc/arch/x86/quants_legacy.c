@@ -46,24 +46,7 @@ void sfq_quantize_row32(const float *x, int64_t K, xq32 *out) {
     for (int64_t b = 0; b < K / 32; b++) out[b].sum = quant32(x + 32 * b, out[b].q, &out[b].d);
 }
 
-/* the grouped formats' activations (q_common.h): each block quantized as above, its dwords then placed in
- * its group's order */
-void sfq_quantize_row32g(const float *x, int64_t K, xq32g *out) {
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; 8 * g < nb; g++) {
-        const int nt = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8;
-        xq32g *o = out + g;
-        if (nt < 8) {
-            memset(o->d, 0, sizeof o->d);
-            memset(o->sum, 0, sizeof o->sum);
-        }
-        for (int j = 0; j < nt; j++) {
-            _Alignas(32) int8_t nat[32];
-            o->sum[j] = quant32(x + 32 * (8 * g + j), nat, &o->d[j]);
-            sf_xq32g_put(o, nt, j, nat);
-        }
-    }
-}
+SF_DEFINE_QUANTIZE_ROW32G(quant32) /* the grouped formats' activations (q_common.h) */
 
 
 /* 16 packed nibble bytes -> 32 bytes: low nibbles (weights 0..15) then high nibbles (16..31); the bytes
@@ -110,12 +93,15 @@ ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *
  * two four-block halves folded once; other tails go through the contract's plain C (sf_g32_group). ---- */
 
 /* The quants of a group of nt = 8 (n = 8 registers) or nt = 4 (n = 4) blocks, register k holding bytes
- * 32k..32k+31 of the group's order (offsets not applied) */
-ALWAYS_INLINE void g32_regs(int type, const uint8_t *grp, int nt, __m256i *w) {
+ * 32k..32k+31 of the group's order (offsets not applied); Q8_0 also their magnitudes in u */
+ALWAYS_INLINE void g32_regs(int type, const uint8_t *grp, int nt, __m256i *w, __m256i *u) {
     const int n = nt; /* registers: 32 * nt bytes of quants */
     const uint8_t *p = grp + 2 * nt;
-    if (type == T_Q8_0) {
-        for (int k = 0; k < n; k++) w[k] = _mm256_loadu_si256((const __m256i *)(p + 32 * k));
+    if (type == T_Q8_0) { /* and u: |w|, the sign moving onto the activation in g32_sum */
+        for (int k = 0; k < n; k++) {
+            w[k] = _mm256_loadu_si256((const __m256i *)(p + 32 * k));
+            u[k] = _mm256_sign_epi8(w[k], w[k]);
+        }
         return;
     }
     const uint8_t *qh = p, *qs = type == T_Q5_0 ? p + 4 * nt : p;
@@ -167,9 +153,7 @@ ALWAYS_INLINE void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32
         const uint8_t *grp = wrow + g * gbytes;
         stream_ahead(grp, gbytes);
         __m256i w[8], u[8];
-        g32_regs(type, grp, 8, w);
-        if (type == T_Q8_0)
-            for (int k = 0; k < 8; k++) u[k] = _mm256_sign_epi8(w[k], w[k]);
+        g32_regs(type, grp, 8, w, u);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));
         for (int r = 0; r < R; r++) {
             const xq32g *xg = x[r] + g;
@@ -182,9 +166,7 @@ ALWAYS_INLINE void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32
     const uint8_t *grp = wrow + ng * gbytes;
     if (nt == 4) { /* register k: blocks 0-3 of steps 2k (low half) and 2k + 1 (high half) */
         __m256i w[4], u[4];
-        g32_regs(type, grp, 4, w);
-        if (type == T_Q8_0)
-            for (int k = 0; k < 4; k++) u[k] = _mm256_sign_epi8(w[k], w[k]);
+        g32_regs(type, grp, 4, w, u);
         const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)grp));
         for (int r = 0; r < R; r++) {
             const xq32g *xg = x[r] + ng;
