@@ -76,8 +76,9 @@ def flags(path: str) -> list[str]:
 
 
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
-# 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack)
-ABI = 7
+# 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
+# 8: specfleet_set_prefetch
+ABI = 8
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -104,6 +105,7 @@ _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_q_abi": ([], _int),
     "specfleet_q_isa": ([], ctypes.c_char_p),
+    "specfleet_set_prefetch": ([_i64, _i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),

@@ -62,12 +62,13 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks):
     if blocks == 28 and block_of(qtype) == 256:
         pytest.skip("K formats: five blocks cover them")
     k = blocks * block_of(qtype)
-    w = random_blocks(qtype, 37, k, seed=3)
     torch.manual_seed(int(qtype))
     x = torch.randn(33, k) * torch.logspace(-2, 1, k)  # activations of very different sizes per block
-    want = run_qlinear(base, x, w)
-    for m in (1, 2, 7, 8, 9, 17, 32, 33):  # decode, tile tails (TILE 8), several tiles
-        assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m}"
+    for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
+        w = random_blocks(qtype, n, k, seed=3)
+        want = run_qlinear(base, x, w)
+        for m in (1, 2, 7, 8, 9, 17, 32, 33):  # decode, tile tails (TILE 8), several tiles
+            assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m} n={n}"
 
 
 @pytest.mark.parametrize("path", FAST_PATHS)

@@ -42,7 +42,14 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     return 0;
 }
 
-int specfleet_q_abi(void) { return 7; } /* runtime/backends/native/kernels.py ABI */
+/* Set how far ahead the products prefetch their weights (the body's sf_prefetch_bytes: for one activation
+ * row, for more); negative keeps a value. Changes no result. */
+void specfleet_set_prefetch(int64_t one_row, int64_t many_rows) {
+    if (one_row >= 0 && one_row <= (1 << 20)) sf_prefetch_bytes[0] = one_row;
+    if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_bytes[1] = many_rows;
+}
+
+int specfleet_q_abi(void) { return 8; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }

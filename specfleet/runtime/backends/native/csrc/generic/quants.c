@@ -10,6 +10,8 @@
  * (q_common.h's sf_g32_group). A row ends with sf_hsum8. */
 #include "../q_common.h"
 
+int64_t sf_prefetch_bytes[2] = {0, 0}; /* these bodies issue no prefetches (see arch/x86/quants_k.c) */
+
 const char *sfq_isa_name(void) { return "generic"; }
 
 /* 32 floats -> 32 int8 (round half to even) with scale d = amax / 127; returns the quants' sum */

@@ -9,6 +9,8 @@
  * fp32 epilogue per block is the generic body's, lane by lane (vfmaq_f32 for its fmaf). */
 #include "arm.h"
 
+int64_t sf_prefetch_bytes[2] = {0, 0}; /* this body issues no prefetches (see arch/x86/quants_k.c) */
+
 const char *sfq_isa_name(void) { return "neondot"; }
 
 /* float lanes -> int8 with round half to even (vcvtnq), returns the int32 lanes' sum; quants lie in

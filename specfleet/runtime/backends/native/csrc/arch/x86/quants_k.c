@@ -37,8 +37,25 @@
  * scales multiply those int32 totals (vpmulld). That is the same integer as the AVX2 path's madd of the
  * int16 sums with the scales, so the fp32 work that follows, unchanged, gives the same bits. Per block
  * and activation row that is 4 (512-bit) or 8 (256-bit) vpdpbusd where AVX2 takes 8 maddubs, 4 to 7
- * int16 adds and 1 to 4 madds. */
+ * int16 adds and 1 to 4 madds.
+ *
+ * Several activation rows (verification) on the 512-bit path take Q4_K weight rows four at a time
+ * (dot4_q4_k): the four blocks' scales and mins are decoded in one register's 128-bit lanes and each
+ * activation register is loaded once for two row pairs. Per block that halves the work shared by the
+ * activation rows, which had made two rows cost as much as three; the 1.5B's 5-row forward fell from
+ * 1.42-1.45 to 1.26-1.30 decode steps together with the longer prefetch (x86.h), on a Zen 5. Q6_K keeps
+ * pairs: its per-block work is small, and four rows at once measured no faster. */
 #include "x86.h"
+
+/* How far ahead stream_ahead prefetches weights (x86.h), for one activation row and for more. One row
+ * (decode) is read fastest at 4 KB. With 512-bit VNNI, 2-9 rows (verification) run about 10 % faster at
+ * 16 KB (benchmarks/RESULTS.md, Zen 5); the AVX2 and AVX-VNNI paths' many-row products are
+ * compute-bound and keep 4 KB, which measured best there. */
+#ifdef SF_VNNI512
+int64_t sf_prefetch_bytes[2] = {4096, 16384};
+#else
+int64_t sf_prefetch_bytes[2] = {4096, 4096};
+#endif
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
 #ifdef SF_VNNI512
@@ -197,7 +214,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     ACC_INIT(R)
     const b_q4_k *w = (const b_q4_k *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_k));
+        stream_ahead(&w[b], sizeof(b_q4_k), R);
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         wreg q[NREG];
@@ -225,8 +242,8 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q4_k));
-        stream_ahead(&w1[b], sizeof(b_q4_k));
+        stream_ahead(&w0[b], sizeof(b_q4_k), R);
+        stream_ahead(&w1[b], sizeof(b_q4_k), R);
         __m256 fd0, fm0, fd1, fm1;
         q4k_float_scales(&w0[b], &fd0, &fm0);
         q4k_float_scales(&w1[b], &fd1, &fm1);
@@ -253,6 +270,98 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
         }
     }
     pair_out(acc, R, out0, out1);
+}
+
+/* The sub-block scales and mins of four Q4_K blocks (one per weight row) in fp32 for two row pairs:
+ * fd01 = [d0 * sc0[0..7] | d1 * sc1[0..7]], fm01 likewise with dmin and the mins, fd23 / fm23 for rows 2
+ * and 3. The four blocks' first 16 bytes (d | dmin | scales[12]) go into one register's four 128-bit
+ * lanes, where q4k_scales_mins' shuffles and masks run on all four at once; each lane then holds what
+ * q4k_float_scales computes for its row (the same integer scales, the same fp32 multiplies). */
+ALWAYS_INLINE void q4k_float_scales4(const b_q4_k *w0, const b_q4_k *w1, const b_q4_k *w2, const b_q4_k *w3,
+                                     __m512 *fd01, __m512 *fm01, __m512 *fd23, __m512 *fm23) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)w0));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w1), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w2), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w3), 3);
+    /* q4k_scales_mins per lane, its byte indices moved by the 4 bytes of d and dmin */
+    const __m512i a = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+    const __m512i b = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 6), _mm512_set1_epi8(0x03)), 4);
+    const __m512i low6 = _mm512_and_si512(a, _mm512_set1_epi8(0x3f));
+    const __m512i lo4 = _mm512_or_si512(_mm512_and_si512(a, m4), top);
+    const __m512i hi4 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), top);
+    const __m512i sm = _mm512_mask_blend_epi32(0x8888, _mm512_mask_blend_epi32(0x2222, low6, lo4), hi4);
+    /* qwords: the scales of rows 0..3, then their mins */
+    const __m512i g = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), sm);
+    const __m512 sc01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(g)));
+    const __m512 sc23 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, 1)));
+    const __m512 mn01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, 2)));
+    const __m512 mn23 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, 3)));
+    /* d and dmin of the four rows: halves (d0, dmin0, d1, dmin1, ...) from dword 0 of each lane */
+    const __m256 dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v)));
+    const __m512 d5 = _mm512_castps256_ps512(dd);
+    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i one = _mm512_set1_epi32(1), four = _mm512_set1_epi32(4);
+    *fd01 = _mm512_mul_ps(_mm512_permutexvar_ps(lo, d5), sc01);
+    *fm01 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lo, one), d5), mn01);
+    *fd23 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lo, four), d5), sc23);
+    *fm23 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(5)), d5), mn23);
+}
+
+/* Four weight rows at once (DEFINE_COLUMNS_QUAD): two pairs as dot2_q4_k lays them out, the four blocks'
+ * scales decoded together and each activation register loaded once for both pairs. Lane by lane the
+ * same integer totals and the same fp32 epilogue as dot2_q4_k and dot_q4_k, so the same bits. */
+ALWAYS_INLINE void dot4_q4_k(const uint8_t *row0, int64_t row_bytes, int64_t nb, const xq256 *const *x, int R,
+                             float *const *out) {
+    __m512 acc[2][TILE];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)(row0 + row_bytes);
+    const b_q4_k *w2 = (const b_q4_k *)(row0 + 2 * row_bytes), *w3 = (const b_q4_k *)(row0 + 3 * row_bytes);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(&w0[b], sizeof(b_q4_k), R);
+        stream_ahead(&w1[b], sizeof(b_q4_k), R);
+        stream_ahead(&w2[b], sizeof(b_q4_k), R);
+        stream_ahead(&w3[b], sizeof(b_q4_k), R);
+        __m512 fd[2], fm[2];
+        q4k_float_scales4(&w0[b], &w1[b], &w2[b], &w3[b], &fd[0], &fm[0], &fd[1], &fm[1]);
+        __m512i q[2][8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v0 = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qs + 32 * c)),
+                                      _mm256_loadu_si256((const __m256i *)(w1[b].qs + 32 * c)));
+            const __m512i v1 = pair_i(_mm256_loadu_si256((const __m256i *)(w2[b].qs + 32 * c)),
+                                      _mm256_loadu_si256((const __m256i *)(w3[b].qs + 32 * c)));
+            q[0][c] = _mm512_and_si512(v0, m4);
+            q[0][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+            q[1][c] = _mm512_and_si512(v1, m4);
+            q[1][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq256 *xb = &x[r][b];
+            __m512i s0[2], s1[2];
+            for (int p = 0; p < 2; p++) {
+                s0[p] = _mm512_setzero_si512();
+                s1[p] = _mm512_setzero_si512();
+            }
+            for (int t = 0; t < 4; t++) {
+                const __m512i xa = both_i(xb->q + 32 * t), xh = both_i(xb->q + 128 + 32 * t);
+                for (int p = 0; p < 2; p++) {
+                    s0[p] = _mm512_dpbusd_epi32(s0[p], q[p][t], xa);
+                    s1[p] = _mm512_dpbusd_epi32(s1[p], q[p][4 + t], xh);
+                }
+            }
+            const __m512 fs = both_f(xb->fsum), dx = _mm512_set1_ps(xb->d);
+            for (int p = 0; p < 2; p++) {
+                const __m512i s = _mm512_add_epi32(s0[p], s1[p]);
+                const __m512 v = _mm512_fnmadd_ps(fm[p], fs, _mm512_mul_ps(_mm512_cvtepi32_ps(s), fd[p]));
+                acc[p][r] = _mm512_fmadd_ps(dx, v, acc[p][r]);
+            }
+        }
+    }
+    pair_out(acc[0], R, out[0], out[1]);
+    pair_out(acc[1], R, out[2], out[3]);
 }
 #endif
 
@@ -290,7 +399,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q6_k));
+        stream_ahead(&w[b], sizeof(b_q6_k), R);
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc8, even));
@@ -324,8 +433,8 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q6_k));
-        stream_ahead(&w1[b], sizeof(b_q6_k));
+        stream_ahead(&w0[b], sizeof(b_q6_k), R);
+        stream_ahead(&w1[b], sizeof(b_q6_k), R);
         const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
         const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
         const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
@@ -359,6 +468,7 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     }
     pair_out(acc, R, out0, out1);
 }
+
 #endif
 #else /* AVX2 */
 ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
@@ -366,7 +476,7 @@ ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const b_q4_k *w = (const b_q4_k *)wrow;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_k));
+        stream_ahead(&w[b], sizeof(b_q4_k), R);
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
@@ -396,7 +506,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
     const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q6_k));
+        stream_ahead(&w[b], sizeof(b_q6_k), R);
         const float d = h2f(w[b].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w[b].scales);
         const __m256i s_first = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even));
@@ -434,7 +544,7 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
 #endif /* SF_VNNI */
 
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_PAIRED(cols_q4_k, dot_q4_k, dot2_q4_k, xq256)
+DEFINE_COLUMNS_QUAD(cols_q4_k, dot_q4_k, dot2_q4_k, dot4_q4_k, xq256)
 #else
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
 #endif

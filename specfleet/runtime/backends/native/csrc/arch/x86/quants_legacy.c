@@ -73,7 +73,7 @@ ALWAYS_INLINE void dot_q4_1(const uint8_t *wrow, int64_t nb, const xq32 *const *
     ACC_INIT(R)
     const b_q4_1 *w = (const b_q4_1 *)wrow;
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_1));
+        stream_ahead(&w[b], sizeof(b_q4_1), R);
         const float d = h2f(w[b].d), m = h2f(w[b].m);
         const __m256i q = nibbles32(w[b].qs);
         for (int r = 0; r < R; r++) {
@@ -151,7 +151,7 @@ ALWAYS_INLINE void dot_g32(int type, const uint8_t *wrow, int64_t nb, const xq32
     const int sh = type == T_Q4_0 ? 3 : 4; /* the offset (8 or 16) times the activation sums */
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *grp = wrow + g * gbytes;
-        stream_ahead(grp, gbytes);
+        stream_ahead(grp, gbytes, R);
         __m256i w[8], u[8];
         g32_regs(type, grp, 8, w, u);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));

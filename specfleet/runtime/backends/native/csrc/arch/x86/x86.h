@@ -63,16 +63,13 @@ ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) 
 }
 #endif
 
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
-/* Every product streams its weights from memory: each block asks for the lines PF_BYTES further on (past
- * a row's end, the next row's: rows follow each other), spread evenly over the blocks. At one to eight
- * activation rows (decode, verification) this read the 1.5B's matrices 10-20 % faster than the earlier
- * prefetch of whole rows a few rows ahead, whose bunched requests the hardware dropped; at more rows the
- * extra prefetches of lines already cached cost nothing measurable. Prefetches change no result. */
-ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes) {
-    const char *p = (const char *)block + PF_BYTES;
+/* Every product streams its weights from memory: each block asks for the lines a set distance further on
+ * (past a row's end, the next row's: rows follow each other), spread evenly over the blocks. The distance
+ * depends on how many activation rows share the pass (R, a constant where the kernels are inlined):
+ * sf_prefetch_bytes[0] for one row (decode), [1] for more (verification, prefill), settable at run time
+ * (specfleet_set_prefetch) so one process can compare distances. Prefetches change no result. */
+ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes, int R) {
+    const char *p = (const char *)block + sf_prefetch_bytes[R > 1];
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
