@@ -149,6 +149,11 @@ class StepCosts:
         f = (nodes - xs[i - 1]) / (xs[i] - xs[i - 1])
         return ys[i - 1] + f * (ys[i] - ys[i - 1])
 
+    def plain_samples(self, batch: int) -> int:
+        """How many plain steps (no node verified) were timed at this batch size."""
+        cell = self.cells.get(batch, {}).get(0)
+        return 0 if cell is None else cell[1]
+
     def share(self, batch: int) -> float:
         """One request's share of a plain step at this batch size."""
         return self.step_time(batch, 0) / batch

@@ -69,6 +69,9 @@ MERGED = -1  # the member index of a merged tree
 CONTEXT_CAP = 3  # contexts: 0 = no history, 1 + min(depth its last proposal matched, 3)
 
 
+PLAIN_SAMPLES = 2  # timed plain steps per batch size that _sample_plain asks for
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     margin: float = 1.0  # speculate only when the best rate beats plain decoding's by this factor
@@ -83,12 +86,17 @@ class FleetConfig:
     # would cost more than this share of a plain step per token the request may still generate: an exploring
     # call is pure cost until the member is chosen, so it must stay well inside the 0.97x-of-plain floor
     explore_budget: float = 0.02
+    # a batch size whose plain step has been timed fewer than PLAIN_SAMPLES times decodes plain once every this
+    # many of its steps (at once on the first; 0 = never): a request's share of a plain step at that batch size is
+    # then measured, not extrapolated down from speculative steps, which at 8 streams once read 1.4x the plain
+    # step and made the 0.5B look cheap (0.83x plain)
+    explore_plain_every: int = 16
 
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
-                or self.explore_budget < 0:
+                or self.explore_budget < 0 or self.explore_plain_every < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
-                                      "explore_budget >= 0")
+                                      "explore_budget >= 0, explore_plain_every >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -145,6 +153,7 @@ class FleetProposer:
         self._seen: dict[tuple[str, int], int] = {}  # (request, expensive member) -> tokens when it drafted
         self._since_called = {j: cfg.explore_every for j in self.expensive}
         self._explore_gap = {j: cfg.explore_every for j in self.expensive}
+        self._plain_gap: dict[int, int] = {}  # batch size -> its steps since a forced plain step (_sample_plain)
         self._pending: dict[str, _Pending] = {}
         self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
         # the engine's measurement of the step since the last plan (observe_step); without an engine (a fleet
@@ -155,6 +164,7 @@ class FleetProposer:
         self.num_steps = 0
         self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
         self.num_undrafted_steps = 0  # steps where no draft could pay at their batch size: nothing was drafted
+        self.num_plain_samples = 0  # plain steps decoded to time the plain step at a batch size (_sample_plain)
         self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
         self.chosen_by_batch: dict[int, dict[str, int]] = {}  # batch size -> the same counts at that size
         self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
@@ -178,6 +188,8 @@ class FleetProposer:
         batch = self._last_batch = len(requests)
         if self._no_tree_pays(batch):
             return self._plain_step(requests, batch)
+        if self._sample_plain(batch):
+            return self._plain_step(requests, batch, sample=True)
         explore = {j for j in self.expensive if self.config.explore_every and self._since_called[j] >= self._explore_gap[j]}
         cands: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in requests}
         spent = {r.request_id: 0.0 for r in requests}
@@ -238,9 +250,26 @@ class FleetProposer:
         return all((1 + n) * share <= margin * (share + self.steps.marginal(batch, 0, n))
                    for n in range(1, self.num_speculative_tokens + 1))
 
-    def _plain_step(self, requests: list, batch: int) -> dict[str, DraftTree]:
-        """A step where nothing is drafted (_no_tree_pays); still timed, as a plain step of this batch size."""
-        self.num_undrafted_steps += 1
+    def _sample_plain(self, batch: int) -> bool:
+        """Whether this step decodes plain to time the plain step at this batch size (explore_plain_every):
+        while fewer than PLAIN_SAMPLES plain steps were timed at it, on its first step and then every
+        explore_plain_every of its steps. Without them the plain step there is extrapolated from speculative
+        steps (StepCosts), and an overestimate makes every draft look cheap beside it. Decided from history only,
+        so a sampled request's output is unaffected."""
+        every = self.config.explore_plain_every
+        if not every or not self.steps.measured or self.steps.plain_samples(batch) >= PLAIN_SAMPLES:
+            return False
+        gap = self._plain_gap.get(batch, every - 1) + 1
+        self._plain_gap[batch] = 0 if gap >= every else gap
+        return gap >= every
+
+    def _plain_step(self, requests: list, batch: int, sample: bool = False) -> dict[str, DraftTree]:
+        """A step where nothing is drafted (_no_tree_pays; with `sample`, _sample_plain); still timed, as a plain
+        step of this batch size."""
+        if sample:
+            self.num_plain_samples += 1
+        else:
+            self.num_undrafted_steps += 1
         self._count_choice(batch, "plain", batch)
         self._plan = (self.clock(), batch, 0, {r.request_id: (r.num_tokens, 0) for r in requests})
         return {}
@@ -464,6 +493,7 @@ class FleetProposer:
         return {
             "steps": self.num_steps,
             "undrafted_steps": self.num_undrafted_steps,
+            "plain_samples": self.num_plain_samples,
             "request_steps": self.num_request_steps,
             "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
             "d_s": {m.name: self.draft_costs[j].d for j, m in enumerate(self.members)},

@@ -197,8 +197,9 @@ class CachedDraft(FakeDraft):
 
 
 def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
-             prompt=5, catch_up=0.0, max_tokens=100_000):
-    """A target whose step costs step * (batch + node_cost * nodes) on the fake clock."""
+             prompt=5, catch_up=0.0, max_tokens=100_000, verify_fixed=0.0, plain_every=16):
+    """A target whose step costs step * (batch + node_cost * nodes) on the fake clock, plus step * verify_fixed
+    when it verifies any node."""
     clock = Clock()
     cheap = FakeDraft("cheap", clock, cheap_accuracy, 0.0, k=6, seed=1)
     if catch_up:
@@ -206,7 +207,7 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
                             per_gap=catch_up * step)
     else:
         model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
-    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32), clock=clock)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_plain_every=plain_every), clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
     for r in reqs:
         r.params.max_tokens = max_tokens
@@ -215,7 +216,7 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
         before = dict(fleet.chosen)
         trees = fleet.propose(reqs)
         nodes = sum(len(t) for t in trees.values())
-        clock.now += step * (batch + node_cost * nodes)
+        clock.now += step * (batch + node_cost * nodes + (verify_fixed if nodes else 0.0))
         feedback = []
         for r in reqs:
             tree = trees.get(r.request_id)
@@ -339,6 +340,21 @@ def test_nothing_is_drafted_where_no_tree_could_pay():
     assert fleet.num_undrafted_steps > 0.9 * fleet.num_steps and cheap.calls < 0.1 * fleet.num_steps
     fleet, share, _ = simulate(cheap_accuracy=0.9, model_accuracy=0.95, model_cost=0.5, batch=8, node_cost=0.25)
     assert fleet.num_undrafted_steps == 0 and share["plain"] < 0.1, share
+
+
+def test_the_plain_step_is_timed_at_a_batch_size_that_always_speculates():
+    """Accurate drafts make every request speculate at batch 4, and verification has a fixed cost beyond its
+    nodes (as a CPU's first extra row does), so extrapolating the plain step down from speculative steps reads
+    it too dear. The fleet decodes plain on a few steps to time it (explore_plain_every): its share of a plain
+    step is then the true one, where without them it is overestimated (the control)."""
+    kw = dict(cheap_accuracy=0.95, model_accuracy=0.0, model_cost=0.0, batch=4, node_cost=0.1, verify_fixed=1.0)
+    fleet, share, _ = simulate(**kw)
+    assert fleet.steps.plain_samples(4) >= 2 and fleet.num_plain_samples <= 4
+    assert fleet.steps.share(4) == pytest.approx(1.0, rel=0.02)  # step units: a plain step costs 4 for 4 requests
+    assert share["plain"] < 0.1, share  # the samples are a few steps, not a policy
+    control, _, _ = simulate(**kw, plain_every=0)
+    assert control.steps.plain_samples(4) == 0
+    assert control.steps.share(4) > 1.1, control.steps.share(4)
 
 
 def test_decisions_at_batch_three_use_each_requests_share():
