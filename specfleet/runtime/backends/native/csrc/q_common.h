@@ -30,7 +30,7 @@
 
 /* The work split, shared by every product (q_linear.c, fused_linear.c). Which values they take changes
  * speed only, never a result. */
-extern int64_t sf_prefetch_bytes[2]; /* q_linear.c: prefetch distance for one activation row, for more */
+extern int64_t sf_prefetch_bytes[2]; /* each body's: prefetch distance for one activation row, for more */
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 #define SF_RCH 64         /* weight rows per scheduled chunk: contiguous enough for the hardware prefetcher */
 #define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */

@@ -122,13 +122,16 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
 /* The eight 6-bit scales (bytes 0..7 of the result) and mins (bytes 8..15) of a Q4_K block, from its
  * 12 packed bytes taken as three little-endian words u0, u1, u2 (byte-wise, in one SSE register):
  *   sc[0..3] = u0 & 63,  mn[0..3] = u1 & 63  (per byte)
- *   sc[4..7] = (u2 & 15) | (u0 >> 6) << 4,  mn[4..7] = (u2 >> 4 & 15) | (u1 >> 6) << 4 */
-ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *s) {
-    /* bytes s[0..15] (the 12 packed bytes and 4 of the quants that follow them in the block, unused) */
-    const __m128i v = _mm_loadu_si128((const __m128i *)s);
-    /* dwords: a = (u0, u2, u1, u2) for the low bits, b = (-, u0, -, u1) for the top two bits of sc/mn[0..3] */
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
+ *   sc[4..7] = (u2 & 15) | (u0 >> 6) << 4,  mn[4..7] = (u2 >> 4 & 15) | (u1 >> 6) << 4
+ * The register holds the block's first 16 bytes (d, dmin, the 12 packed bytes), so u0 is bytes 4..7. The
+ * shuffles gather the dwords a = (u0, u2, u1, u2) for the low bits and b = (-, u0, -, u1) for the top two
+ * bits of sc/mn[0..3]; q4k_float_scales4 runs the same on four blocks, one per 128-bit lane. */
+#define Q4K_SM_A 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15
+#define Q4K_SM_B 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11
+ALWAYS_INLINE __m128i q4k_scales_mins(const b_q4_k *w) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)w);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(Q4K_SM_A));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(Q4K_SM_B));
     const __m128i m4 = _mm_set1_epi8(0x0f);
     const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(0x03)), 4);
     const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3f));
@@ -146,7 +149,7 @@ ALWAYS_INLINE __m256i loadx(const int8_t *p) { return _mm256_loadu_si256((const 
 /* A Q4_K block's sub-block scales and mins in fp32, once per weight block for every activation row:
  * fd[u] = d * sc[u], fm[u] = dmin * mn[u] */
 ALWAYS_INLINE void q4k_float_scales(const b_q4_k *w, __m256 *fd, __m256 *fm) {
-    const __m128i sm = q4k_scales_mins(w->scales);
+    const __m128i sm = q4k_scales_mins(w);
     *fd = _mm256_mul_ps(_mm256_set1_ps(h2f(w->d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
     *fm = _mm256_mul_ps(_mm256_set1_ps(h2f(w->dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
 }
@@ -283,9 +286,9 @@ ALWAYS_INLINE void q4k_float_scales4(const b_q4_k *w0, const b_q4_k *w1, const b
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w1), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w2), 2);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w3), 3);
-    /* q4k_scales_mins per lane, its byte indices moved by the 4 bytes of d and dmin */
-    const __m512i a = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-    const __m512i b = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11)));
+    /* q4k_scales_mins in every lane */
+    const __m512i a = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(Q4K_SM_A)));
+    const __m512i b = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(Q4K_SM_B)));
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 6), _mm512_set1_epi8(0x03)), 4);
     const __m512i low6 = _mm512_and_si512(a, _mm512_set1_epi8(0x3f));
