@@ -192,6 +192,9 @@ class StepTiming:
     # rows computed within `seconds` for prompt chunks (or recomputation) of requests other than the drafted
     # ones: those steps cost more than the decode steps of the drafted batch, so cost models skip them
     prompt_rows: int = 0
+    # target forwards within `seconds` that were one-off warm-ups (a CUDA graph captured at its shape's first
+    # step, three forwards in one): not what a step of this shape costs, so cost models skip them too
+    warmups: int = 0
 
 
 @runtime_checkable

@@ -34,6 +34,9 @@ class SpecStats:
     # rows the target computed for prompt chunks (and recomputation after a preemption) beside the decoding
     # requests' rows: a step with any is not a decode step, and the fleet does not learn decode costs from it
     prompt_rows: int = 0
+    # target forwards that captured a CUDA graph of their shape (runtime/backends/cuda/graphs.py: the forward ran
+    # three times); cost models leave such a step untimed
+    warmup_steps: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None) -> None:
         self.num_steps += 1
@@ -63,6 +66,7 @@ class SpecStats:
         self.num_draft_failures += other.num_draft_failures
         self.num_draft_fallbacks += other.num_draft_fallbacks
         self.prompt_rows += other.prompt_rows
+        self.warmup_steps += other.warmup_steps
         for mine, theirs in ((self.drafts_used, other.drafts_used), (self.drafted_by, other.drafted_by),
                              (self.accepted_by, other.accepted_by)):
             for name, c in theirs.items():

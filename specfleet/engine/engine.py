@@ -87,7 +87,7 @@ class Engine:
         self._drafted_at: float | None = None
         self._draft_s = 0.0
         self._verify_at = 0.0
-        self._prompt_rows_at = 0
+        self._prompt_rows_at = self._warmups_at = 0
         self.executor = StepExecutor(self.runner, self.blocks, self.stop_checker, self.stats, self._finish)
         self.runner.keep_hidden = reads_features(proposer)  # a draft head reads the target's features
         self._ids = itertools.count()
@@ -231,7 +231,8 @@ class Engine:
             if self._drafted_at is not None:  # the engine's clock, handed to the strategies that adapt to time
                 observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
                                                        self.stats.verify_time - self._verify_at, len(ready),
-                                                       self.stats.prompt_rows - self._prompt_rows_at))
+                                                       self.stats.prompt_rows - self._prompt_rows_at,
+                                                       self.stats.warmup_steps - self._warmups_at))
             trees = self.proposer.propose(ready)
         except Exception as e:  # noqa: BLE001 - see _draft_failed
             self._draft_failed(ready, "propose", e)
@@ -239,7 +240,7 @@ class Engine:
         finally:
             now = time.perf_counter()
             self._drafted_at, self._draft_s, self._verify_at = now, now - t0, self.stats.verify_time
-            self._prompt_rows_at = self.stats.prompt_rows
+            self._prompt_rows_at, self._warmups_at = self.stats.prompt_rows, self.stats.warmup_steps
         dt = self._draft_s
         self.stats.draft_time += dt
         for r in ready:

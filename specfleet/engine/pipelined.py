@@ -60,7 +60,7 @@ class PipelinedEngine(Engine):
         self.clock = TargetClock()
         self._parked: set[str] = set()
         self._workers = [_DraftWorker(i, p, self.pool, self.device, pc.draft_threads, lambda: self.stats.verify_time,
-                                     lambda: self.stats.prompt_rows)
+                                     lambda: self.stats.prompt_rows, lambda: self.stats.warmup_steps)
                          for i, p in enumerate(drafters)]
         self._started = False
 
@@ -243,16 +243,16 @@ class _DrafterRouter:
 
 class _DraftWorker(threading.Thread):
     def __init__(self, index: int, proposer: Proposer, pool: ResultPool, device: torch.device,
-                 num_threads: int | None, verify_seconds=lambda: 0.0, prompt_rows=lambda: 0):
+                 num_threads: int | None, verify_seconds=lambda: 0.0, prompt_rows=lambda: 0, warmups=lambda: 0):
         super().__init__(name=f"specfleet-drafter-{index}", daemon=True)
         self.index, self.proposer, self.pool, self.device, self.num_threads = index, proposer, pool, device, num_threads
         # the engine's clock for this drafter's proposer, as Engine._propose hands it (core/proposer.StepTiming):
         # when this drafter's last drafting ended, how long it took, and the engine's verify seconds total then
         # (a float the engine thread adds to; reading it here needs no lock)
-        self.verify_seconds, self.prompt_rows = verify_seconds, prompt_rows
+        self.verify_seconds, self.prompt_rows, self.warmups = verify_seconds, prompt_rows, warmups
         self._drafted_at: float | None = None
         self._draft_s = self._verify_at = 0.0
-        self._prompt_rows_at = 0
+        self._prompt_rows_at = self._warmups_at = 0
         # (call, request ids, error) of observe/release messages that raised, for the engine thread to apply
         # (Engine._draft_failed); a deque, so appending here and popping there need no lock
         self.failures: deque[tuple[str, list[str], Exception]] = deque()
@@ -288,7 +288,8 @@ class _DraftWorker(threading.Thread):
                 verified = self.verify_seconds()
                 observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
                                                        verified - self._verify_at, len(requests),
-                                                       self.prompt_rows() - self._prompt_rows_at))
+                                                       self.prompt_rows() - self._prompt_rows_at,
+                                                       self.warmups() - self._warmups_at))
             trees, error = self.proposer.propose(requests), None
         except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
             trees, error = {}, e
@@ -296,7 +297,7 @@ class _DraftWorker(threading.Thread):
             stream.synchronize()  # tree tensors (draft probabilities) are read on the target's stream
         dt = time.perf_counter() - t0
         self._drafted_at, self._draft_s, self._verify_at = t0 + dt, dt, self.verify_seconds()
-        self._prompt_rows_at = self.prompt_rows()
+        self._prompt_rows_at, self._warmups_at = self.prompt_rows(), self.warmups()
         share = dt / len(requests)
         self.pool.put(self.index, [PoolEntry(r, trees.get(r.request_id), n, self.index, share, error)
                                    for r, n in zip(requests, lengths)], dt)

@@ -432,11 +432,13 @@ class FleetProposer:
     def observe_step(self, timing) -> None:
         """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
         fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
-        if timing.prompt_rows:
+        if timing.prompt_rows or timing.warmups:
             # a step that also computed another request's prompt chunk is no decode step of this batch: at 8 streams
             # the prompts of a wave are prefilled in chunks beside the first requests' decoding, and those steps,
             # timed as decode steps, made a plain step look 2-3x dearer than it is, so speculation (and the 0.5B)
-            # looked cheap beside it; such a step is left untimed, like one a prefill joined (_time_step)
+            # looked cheap beside it; such a step is left untimed, like one a prefill joined (_time_step). So is a
+            # step that captured a CUDA graph (three forwards in one): a node count tried once and timed so would look
+            # three times dearer than it is, and a cell the fleet stops choosing is never timed again
             self._plan = None
         elif self.clock is time.perf_counter:
             self._engine_elapsed = timing.seconds

@@ -498,3 +498,34 @@ def test_steps_that_prefill_another_prompt_are_not_timed_as_decode_steps(models)
     assert len(mixed) >= 4 and sum(t.prompt_rows for t in mixed) <= len(long)  # chunks of the long prompt
     assert eng.stats.prompt_rows == len(short) + len(long)  # every prompt row, counted once
     assert timed_after and all(rows == 0 for rows in timed_after)  # only pure decode steps were timed
+
+
+def test_steps_that_captured_a_cuda_graph_are_not_timed(models, monkeypatch):
+    """A step whose forward captured its shape's CUDA graph ran the forward three times
+    (runtime/backends/cuda/graphs.py). The executor counts it (stats.warmup_steps), the engine passes it on
+    (StepTiming.warmups) and the fleet leaves it untimed, as it does a step that prefilled another prompt: a
+    node count timed once so reads three times dearer, and one the fleet then stops choosing is never timed
+    again. Here every fourth forward reports a capture (CPU steps capture nothing)."""
+    from specfleet.runtime.step.runner import ModelRunner
+
+    target, drafts = models
+    fleet = build_strategy(SPECS["chains"], drafts)
+    heard, timed_after = [], []
+    real_observe, real_add = fleet.observe_step, fleet.steps.add
+    fleet.observe_step = lambda timing: heard.append(timing) or real_observe(timing)
+    fleet.steps.add = lambda *a: timed_after.append(heard[-1].warmups if heard else 0) or real_add(*a)
+    eng = make_engine(target, fleet)
+    forwards = [0]
+    real_execute = ModelRunner.execute
+
+    def execute(self, items, blocks=None):
+        forwards[0] += 1
+        return real_execute(self, items, blocks)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "graph_captures", property(lambda self: forwards[0] // 4))
+    run_to_completion(eng, repetitive_prompts(LENGTHS[3]), SamplingParams(temperature=0, max_tokens=40,
+                                                                           ignore_eos=True))
+    # (a capture in the first prefill or after the last drafting reaches no StepTiming)
+    assert eng.stats.warmup_steps >= 5 and eng.stats.warmup_steps - 2 <= sum(t.warmups for t in heard)
+    assert timed_after and all(w == 0 for w in timed_after)  # no step that captured was timed

@@ -156,6 +156,11 @@ class ModelRunner:
         self.last_hidden = hidden if self.keep_hidden else None
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (each at a step that ran its forward three times)."""
+        return 0 if self.graphs is None else self.graphs.captures
+
     def _step_graph(self, items: list[ForwardItem], arrays, plan, batch: AttentionBatch) -> torch.Tensor | None:
         from specfleet.runtime.backends.cuda.graphs import StepGraphs
 
@@ -164,7 +169,7 @@ class ModelRunner:
         key = self.graphs.shape_of(items)
         if key is None:
             return None
-        logits = self.graphs.run(key, len(items), arrays, plan, batch)
+        logits = self.graphs.run(key, len(items), arrays, plan, batch, [len(it.token_ids) for it in items])
         if logits is not None and not self.keep_hidden:
             self.last_hidden = None
         return logits

@@ -1,6 +1,6 @@
-"""CUDA graphs of the step shapes that repeat: B requests with the same number n of new tokens each, causal
-(plain decoding, n = 1, and a draft model's chain drafting; verification of a k-token chain, n = k + 1),
-logits for every new row or for each request's last. On a GPU this runtime is launch-bound (a 1.5B step
+"""CUDA graphs of the step shapes that repeat: B requests with the same number n of new tokens each that see
+their whole context (plain decoding, n = 1, and a draft model's chain drafting; verification of a k-token
+chain, n = k + 1, or of an n-node tree), logits for every new row or for each request's last. On a GPU this runtime is launch-bound (a 1.5B step
 took 15-25 ms on an H200 whose memory reads its weights in 0.7 ms; benchmarks/RESULTS.md), so replaying a
 captured step instead of launching each operation from Python is what lets the step approach memory speed.
 
@@ -13,9 +13,21 @@ and the head run from the captured graph. Rows are computed by the same kernels 
 an eager step, so a row's logits are the same bits either way (tests/runtime/backends/cuda/test_on_gpu.py checks it on a GPU; on the
 CPU, tests/runtime/backends/cuda/test_route_on_cpu.py runs the same padded path without capture).
 
+Requests with fewer new tokens than the step's most (trees and chains of different sizes in one batch) are
+padded to it the same way: a request repeats its own last row (token, position, cache slot and keys), which
+computes that row again and writes the same bits to the same cache row; the real rows are gathered back.
+
+A tree is the same shape as a chain of as many nodes: which new tokens a row sees is data of the key plan
+(its `plen` prefix and its `extras`, runtime/step/plan.py), positions are data too, and the attention
+reads nothing else, so one captured graph serves chains and trees of n nodes alike. (A weightless draft's
+tree at batch one was verified eagerly before: on an H200 a SmolLM2-135M tree step cost ~10 graph steps, and
+the fleet rightly stopped drafting, at 0.95x plain.)
+
 Capture happens at a shape's first step, on that step's own data: the forward is run twice to warm up
-(Triton compiles; the writes are the step's own, repeated), captured, then replayed. A step whose keys do
-not fit the shape's buffer, a tree, a sliding-window model, or a shape whose capture failed (logged once)
+(Triton compiles; the writes are the step's own, repeated), captured, then replayed. That step is slow:
+`captures` counts them, and the engine tells the cost models (core/proposer.StepTiming.warmups) so they
+leave it untimed. A step whose keys do not fit the shape's buffer, rows that hide part of their context
+(a draft model's level-drafted tree), a sliding-window model, or a shape whose capture failed (logged once)
 runs eagerly. Measured on an H200 (benchmarks/RESULTS.md): a decode step of the 1.5B's shape in 5.0
 ms instead of 16.3, plain decoding 158 tok/s instead of 32 at batch 1, 1,090 instead of 497 at batch 8.
 """
@@ -52,26 +64,36 @@ class StepGraphs:
         self._pool = None
         self.replays = 0  # steps served by a graph (or by the padded path on the CPU)
         self.eager = 0  # steps of a graph shape that ran eagerly (too many keys)
+        self.captures = 0  # shapes captured (each at a step that ran its forward three times)
+        self.tree_replays = 0  # replays of steps with a tree (a row that does not see every earlier new token)
+        self.ragged_replays = 0  # replays of steps whose requests had fewer new tokens than the shape's n
         model = runner.model
         self._windowed = any(getattr(layer.self_attn, "window", None) for layer in model.layers)
 
     def shape_of(self, items) -> tuple[int, int, int] | None:
-        """(padded requests, n, logit rows each) when every item is n causal new tokens at their default
-        positions with logits for all n rows or the last one; else None."""
+        """(padded requests, n, logit rows each) when every item is at most n new tokens that see their whole
+        context (a chain, a tree), n the most of any, with logits for all its rows or its last one (the same
+        for every item that has more than one row); else None."""
         if self._windowed or not items or len(items) > BATCHES[-1]:
             return None
-        n = len(items[0].token_ids)
+        n = max(len(it.token_ids) for it in items)
         if not 1 <= n <= MAX_NEW:
             return None
-        last, every = [n - 1], list(range(n))
-        nlog = None
+        every = None
         for it in items:
-            if len(it.token_ids) != n or not _causal(it):
+            m = len(it.token_ids)
+            if not m or not _sees_context(it):
                 return None
-            rows = 1 if it.logit_indices == last else n if it.logit_indices == every else None
-            if rows is None or (nlog is not None and rows != nlog):
+            if m == 1:  # its one row is both its last and all of them
+                if list(it.logit_indices) != [0]:
+                    return None
+                continue
+            kind = True if list(it.logit_indices) == list(range(m)) else \
+                False if list(it.logit_indices) == [m - 1] else None
+            if kind is None or (every is not None and kind != every):
                 return None
-            nlog = rows
+            every = kind
+        nlog = n if every or (every is None and n == 1) else 1
         padded = next(b for b in BATCHES if b >= len(items))
         key = (padded, n, nlog)
         if key in self._shapes:
@@ -96,9 +118,9 @@ class StepGraphs:
         return padded * nlog * self._vocab() * 4 + padded * n * cfg.hidden_size * itemsize
 
     def run(self, key: tuple[int, int, int], real: int, arrays: list[np.ndarray], plan: list[np.ndarray],
-            batch: AttentionBatch) -> torch.Tensor | None:
-        """The logits of a step of shape `key` with `real` requests ([real * logit rows, vocab]); None when it
-        must run eagerly (its keys overflow the buffer)."""
+            batch: AttentionBatch, lens: list[int] | None = None) -> torch.Tensor | None:
+        """The logits of a step of shape `key` with `real` requests of `lens` new tokens each (all n when None),
+        in the eager step's row order; None when it must run eagerly (its keys overflow the buffer)."""
         b, n, nlog = key
         slots = plan[0]
         if len(slots) > self.capacity:
@@ -112,7 +134,11 @@ class StepGraphs:
                 return None
             shape = self._shapes[key] = _Shape(key, self.capacity, self.runner.device)
             self.planned_bytes += need
-        shape.fill(real, arrays, plan)
+        if len(plan[5]) > shape.sizes[8]:  # (_sees_context bounds it; a caller may not have asked)
+            self.eager += 1
+            return None
+        lens = [n] * real if lens is None else list(lens)
+        shape.fill(real, arrays, plan, lens)
         batch.slot_mapping, batch.plan = shape.slot_mapping, shape.plan
         if self.runner.device.type == "cuda" and shape.graph is None and not shape.failed:
             try:
@@ -124,14 +150,25 @@ class StepGraphs:
         if shape.failed:
             self.eager += 1
             return None
+        if shape.tree:
+            self.tree_replays += 1
+        ragged = any(m != n for m in lens)
+        self.ragged_replays += ragged
         if shape.graph is not None:
             shape.graph.replay()
         else:  # the CPU (tests): the same padded forward, run eagerly
             shape.logits, shape.hidden = self._forward(shape, batch)
         self.replays += 1
+        if not ragged:
+            if self.runner.keep_hidden:
+                self.runner.last_hidden = shape.hidden[:real * n].clone()
+            return shape.logits[:real * nlog].clone()
+        # the real rows of each request (its first lens[r] of n; with last-row logits its last is a copy of its own)
+        real_rows = np.concatenate([r * n + np.arange(m, dtype=np.int64) for r, m in enumerate(lens)])
+        take = torch.from_numpy(real_rows).to(shape.logits.device, non_blocking=True)
         if self.runner.keep_hidden:
-            self.runner.last_hidden = shape.hidden[:real * n].clone()
-        return shape.logits[:real * nlog].clone()
+            self.runner.last_hidden = shape.hidden.index_select(0, take)
+        return shape.logits[:real * nlog].clone() if nlog == 1 else shape.logits.index_select(0, take)
 
     def _forward(self, shape: "_Shape", batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
@@ -155,14 +192,15 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             shape.logits, shape.hidden = self._forward(shape, batch)
         shape.graph = graph
+        self.captures += 1
 
 
-def _causal(it) -> bool:
-    """Whether an item is n causal new tokens at their default positions (a verified chain comes as a tree
-    item whose mask and positions say just that)."""
+def _sees_context(it) -> bool:
+    """Whether every new row of an item sees its whole context and, among the new tokens, itself and only
+    earlier ones (a chain, or a tree in topological order): then its keys past the context prefix are at
+    most n(n-1)/2, which the shape's `extras` buffer holds. Rows that hide context keys (a draft model's
+    level-drafted rows) can list more and run eagerly."""
     n, c = len(it.token_ids), it.context_len
-    if it.positions is not None and list(it.positions) != list(range(c, c + n)):
-        return False
     mask = it.new_mask
     if mask is None:
         return True
@@ -171,17 +209,20 @@ def _causal(it) -> bool:
         if not mask[:, :c].all():
             return False
         mask = mask[:, c:]
-    return mask.shape == (n, n) and np.array_equal(mask, np.tri(n, dtype=bool))
+    return mask.shape == (n, n) and bool(mask.diagonal().all()) and not np.triu(mask, 1).any()
 
 
 class _Shape:
     """One step shape's static device buffer: ids, positions, slot mapping, logit rows, then the key plan
-    (base, plen, xoff, nkeys, extras, slots), all int64, filled from one pinned host buffer in one copy."""
+    (base, plen, xoff, nkeys, extras, slots), all int64, filled from one pinned host buffer in one copy.
+    `extras` holds the tree rows' keys past their prefix: at most n(n-1)/2 per request (_sees_context), and
+    a padding request reads request 0's (its xoff repeats request 0's)."""
 
     def __init__(self, key: tuple[int, int, int], capacity: int, device: torch.device):
         b, n, nlog = key
         self.key, t = key, b * n
-        self.sizes = [t, t, t, b * nlog, t, t, t, t, 1, capacity]
+        self.sizes = [t, t, t, b * nlog, t, t, t, t, b * n * (n - 1) // 2 + 1, capacity]
+        self.tree = False  # whether the step last filled in is a tree
         total = sum(self.sizes)
         self.flat = torch.zeros(total, dtype=torch.long, device=device)
         self.host = torch.zeros(total, dtype=torch.long, device="cpu", pin_memory=device.type == "cuda")
@@ -194,11 +235,20 @@ class _Shape:
         self.hidden: torch.Tensor | None = None
         self._event = None
 
-    def fill(self, real: int, arrays: list[np.ndarray], plan: list[np.ndarray]) -> None:
-        """Copy a step of `real` requests into the buffer; requests real..b-1 repeat request 0."""
+    def fill(self, real: int, arrays: list[np.ndarray], plan: list[np.ndarray], lens: list[int]) -> None:
+        """Copy a step of `real` requests with lens[r] new tokens each into the buffer: a request with fewer
+        than n repeats its last row up to n (the same token, position, cache slot and keys: it computes
+        that row's values again and writes the same bits to the same cache row), and requests real..b-1
+        repeat request 0."""
         b, n, nlog = self.key
         ids, pos, slot_mapping, _ = arrays
-        slots, base, plen, xoff, nkeys, _extras = plan
+        slots, base, plen, xoff, nkeys, extras = plan
+        self.tree = len(extras) > 1  # (extras ends with one sentinel)
+        if any(m != n for m in lens):
+            starts = np.cumsum([0] + lens[:-1])
+            idx = np.concatenate([s + np.minimum(np.arange(n), m - 1) for s, m in zip(starts, lens)])
+            ids, pos, slot_mapping, base, plen, xoff, nkeys = (a[idx] for a in (ids, pos, slot_mapping, base, plen,
+                                                                               xoff, nkeys))
         rep = lambda a: np.concatenate([a, np.tile(a[:n], b - real)]) if b > real else a  # noqa: E731 (request 0 again)
         if nlog == n:
             rows = np.arange(b * n, dtype=np.int64)
@@ -208,7 +258,7 @@ class _Shape:
         if self._event is not None and not self._event.query():
             self._event.synchronize()  # the previous step's copy must leave the pinned buffer first
         parts = [rep(ids), rep(pos), rep(slot_mapping), rows, rep(base), rep(plen), rep(xoff), rep(nkeys),
-                 np.zeros(1, dtype=np.int64), slots]
+                 extras, slots]
         offset = 0
         for size, part in zip(self.sizes, parts):
             host[offset:offset + len(part)] = part

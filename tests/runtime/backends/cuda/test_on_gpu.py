@@ -186,9 +186,15 @@ def test_real_model_rows_equal_their_decode_steps_on_cuda(real_model, draft):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-chain", 8)])
+@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-chain", 8),
+                                        ("lookup-tree", 1), ("lookup-tree", 3)])
 def test_step_graphs_replay_the_eager_steps_bits_on_cuda(pair, kind, batch):
-    """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification replay captured CUDA graphs
-    (runtime/backends/cuda/graphs.py); the tokens are the eager steps' and every verified row equals its decode step."""
+    """RuntimeConfig.cuda_graphs: decode, chain drafting, and chain and tree verification replay captured CUDA
+    graphs (runtime/backends/cuda/graphs.py); the tokens are the eager steps' and every verified row equals its
+    decode step."""
     eng, prompts = graphs_against_eager(*pair, kind, batch)
-    assert eng.runner.graphs.replays > len(prompts) and all(s.graph is not None for s in eng.runner.graphs._shapes.values())
+    graphs = eng.runner.graphs
+    assert graphs.replays > len(prompts) and all(s.graph is not None for s in graphs._shapes.values())
+    assert 0 < eng.stats.warmup_steps <= graphs.captures == len(graphs._shapes)
+    if kind == "lookup-tree":  # at batch 3, trees of different sizes padded to the largest
+        assert graphs.tree_replays > 0 and (batch == 1 or graphs.ragged_replays > 0)

@@ -99,17 +99,21 @@ def test_the_cuda_route_makes_every_tensor_on_the_models_device(routed, pair, ki
         run()
 
 
-@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-tree", 3)])
+@pytest.mark.parametrize("kind,batch", [(None, 3), (None, 8), ("draft-chain", 3), ("draft-tree", 3),
+                                        ("lookup-tree", 1), ("lookup-tree", 3)])
 def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, batch):
-    """RuntimeConfig.cuda_graphs: decode, chain drafting and chain verification steps go through
+    """RuntimeConfig.cuda_graphs: decode, chain drafting, and chain and tree verification steps go through
     runtime/backends/cuda/graphs.py's padded static buffers (captured on a GPU; run eagerly here, which checks the
-    padding, the static plan and the row layout): the same tokens as the eager route, every verified row
-    equal to its decode step, and the padded path really taken."""
+    padding, the static plan with a tree's extra keys, and the row layout): the same tokens as the eager route,
+    every verified row equal to its decode step, and the padded path really taken."""
     eng, prompts = graphs_against_eager(*pair, kind, batch, device=CPU)
-    if kind != "draft-tree":  # (a tree's verification runs eagerly)
-        assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
+    graphs = eng.runner.graphs
+    assert graphs is not None and graphs.replays > 0
     if kind == "draft-chain":  # its verification steps and the draft model's chain steps too
-        assert eng.runner.graphs.replays > len(prompts) and eng.proposer.runner.graphs.replays > 0
+        assert graphs.replays > len(prompts) and eng.proposer.runner.graphs.replays > 0
+    if kind == "lookup-tree":  # branched trees, and at batch 3 trees of different sizes padded to the largest
+        assert graphs.tree_replays > 0 and (batch == 1 or graphs.ragged_replays > 0)
+    assert graphs.captures == 0  # the CPU runs the padded forward eagerly: nothing is captured
 
 
 def test_step_graphs_keep_their_outputs_within_the_memory_plan(routed, pair):
