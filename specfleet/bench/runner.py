@@ -1,8 +1,9 @@
 """Running a preset: load each model once, tokenize the prompts once, then run every system over the
 same prompt ids at every batch size, one wave of `batch_size` prompts at a time.
 
-Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up once (on the
-first prompt reversed: the same length, nothing to reuse),
+Order of work in a part: pick and tokenize prompts -> for each system: build it, warm it up with one wave
+per batch size (its first prompts reversed: the same lengths, nothing to reuse; on a GPU, 32 tokens each,
+so the step shapes' CUDA graphs are mostly captured before the timed waves),
 time its waves at each batch size, close it -> compare outputs with the baseline -> summarize.
 Systems run one after another in the same process (not interleaved) so that only one system's KV
 cache and draft are alive at a time; loaded weights are shared through a ModelPool, which drops a
@@ -168,7 +169,11 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                                 "settings": system.notes})
             bar.set_postfix_str(f"{spec.label}: warm-up")
-            system.generate([warmup_ids(prompt_ids[0])], replace(settings, max_tokens=min(8, settings.max_tokens)))
+            # specfleet: a wave of each batch size (on a GPU its step shapes' graphs are captured here, untimed);
+            # the others as they were, one prompt (transformers' assisted generation takes one at a time)
+            for b in (sizes if spec.kind == "specfleet" else (1,)):
+                system.generate([warmup_ids(ids) for ids in prompt_ids[:b]],
+                                replace(settings, max_tokens=min(8 if device.type == "cpu" else 32, settings.max_tokens)))
             if cfg.micro and sizes[0] == cfg.batch_sizes[0]:  # prefill, c(k), memory: once per system and round
                 system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
             for b in sizes:
