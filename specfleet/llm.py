@@ -40,9 +40,10 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # against the weightless fleet's 1.27x on raw HumanEval prompts, 1.41x against 1.18x with the chat template,
 # and about the same elsewhere (code edits 2.12x / 2.10x, chat 1.25x / 1.23x, tool loops 1.02x / 1.02x;
 # workloads-cpu-20261127T103541Z; 1.37x against 1.23x in workloads-cpu-20261127T125732Z). It costs ~11 s more
-# loading and ~0.4 GB more memory, and at 8 concurrent streams the fleet with it stays below plain (0.83x,
-# fleet-cpu-20261127T095718Z; 0.92x once the fleet times the plain step at every batch size,
-# fleet-cpu-20261127T133314Z): an option (README), not the default. The fleet of
+# loading and ~0.4 GB more memory, and at 4 and 8 concurrent streams the fleet with it is only level with plain
+# (0.83x at 8, fleet-cpu-20261127T095718Z; 0.92x once the fleet times the plain step at every batch size,
+# fleet-cpu-20261127T133314Z; 0.96-1.01x at 4 and 1.01-1.03x at 8 since it no longer feeds the 0.5B prompts while
+# others prefill, fleet-cpu-20261127T154958Z / ...T155730Z): an option (README), not the default. The fleet of
 # the suffix-tree draft and prompt lookup, trimmed per step to what verification costs on the machine, made
 # 1.20x / 1.11x / 1.13x plain decoding on the fleet preset's HumanEval, ShareGPT and HumanEval-t0.7 parts
 # against 1.16x / 1.11x / 1.12x for suffix alone, and 1.01x against 1.00x on ShareGPT-t0.7. On CUDA the same

@@ -97,6 +97,12 @@ class FleetConfig:
     # its acceptance as well as eight, and at 8 streams forcing it for every request (their prompts fed to the
     # 0.5B, eight untrimmed trees verified) cost ~8 % of the run while it decoded plain 73-84 % of its steps
     explore_requests: int = 1
+    # while other requests' prompts are being prefilled (the last step computed prompt rows), an expensive member
+    # is not started for a request far behind it (its prompt to feed): the batch is about to grow, and the feed,
+    # an investment priced against the rest of the request at today's batch size, is lost once the bigger batch
+    # stops calling the member. At 8 streams the 0.5B was so fed during each wave's prefill phase (0.6 s of
+    # drafting in a 7.7 s wave). True: invest then too (as before)
+    invest_while_prefilling: bool = False
 
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
@@ -165,6 +171,9 @@ class FleetProposer:
         # the engine's measurement of the step since the last plan (observe_step); without an engine (a fleet
         # driven alone) the gap on `clock` between two calls stands in
         self._engine_elapsed: float | None = None
+        # the last step computed prompt rows (observe_step); an engine's first step always does, and its first
+        # propose comes before any StepTiming
+        self._prefilling = clock is time.perf_counter
         self._dropped: set[str] = set()
         self._last_batch = 1
         self.num_steps = 0
@@ -214,6 +223,9 @@ class FleetProposer:
                 if pays:
                     wanted.add(j)
                 asked = pays or (rid in forced.get(j, ()) and not self._costly_catch_up(r, j))
+                if asked and self._prefilling and not self.config.invest_while_prefilling \
+                        and isinstance(self.members[j], PreparesKV) and self._gap(r, j) > self._far(j):
+                    asked = False  # the batch is growing: not the time to feed it a prompt (invest_while_prefilling)
                 if asked and not self._unpriced_catch_up(r, j, groups[j]):
                     groups[j].append((r, k))
             planned += len(best.tree)
@@ -448,6 +460,7 @@ class FleetProposer:
     def observe_step(self, timing) -> None:
         """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
         fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
+        self._prefilling = bool(timing.prompt_rows)
         if timing.prompt_rows or timing.warmups:
             # a step that also computed another request's prompt chunk is no decode step of this batch: at 8 streams
             # the prompts of a wave are prefilled in chunks beside the first requests' decoding, and those steps,

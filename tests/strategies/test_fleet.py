@@ -549,3 +549,33 @@ def test_steps_that_captured_a_cuda_graph_are_not_timed(models, monkeypatch):
     # (a capture in the first prefill or after the last drafting reaches no StepTiming)
     assert eng.stats.warmup_steps >= 3 and eng.stats.warmup_steps - 2 <= sum(t.warmups for t in heard)
     assert timed_after and all(w == 0 for w in timed_after)  # no step that captured was timed
+
+
+@pytest.mark.parametrize("invest", [False, True])
+def test_a_model_draft_is_not_fed_a_prompt_while_other_prompts_prefill(models, invest):
+    """Two requests arrive together; the short one decodes while the long one's prompt is prefilled in chunks
+    beside it. The batch is about to grow, so the fleet does not start its draft model for the short request
+    (feed it the whole prompt) until the prefill is done (FleetConfig.invest_while_prefilling): at 8 streams the
+    0.5B was fed that way during each wave's prefill phase, 0.6 s of drafting in a 7.7 s wave (0.88x plain).
+    The control (invest_while_prefilling=true) feeds it during the prefill. Greedy output equals plain's."""
+    target, drafts = models
+    spec = "fleet[invest_while_prefilling=true](d1,prompt-lookup,ngram)" if invest else SPECS["chains"]
+    fleet = build_strategy(spec, drafts)
+    fed_while_prefilling = []
+    real_catch_up = fleet._catch_up
+
+    def catch_up(j, requests):
+        far = [r for r in requests if fleet._gap(r, j) > fleet._far(j)]
+        if far and fleet._prefilling:
+            fed_while_prefilling.append(len(far))
+        return real_catch_up(j, requests)
+
+    fleet._catch_up = catch_up
+    eng = make_engine(target, fleet, max_num_batched_tokens=24)
+    prompts = repetitive_prompts([20, 150])  # (20 tokens: far enough behind that feeding them is a prompt's feed)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = run_to_completion(eng, prompts, params)
+    assert eng.stats.prompt_rows >= 150  # the long prompt went in chunks beside the short one's decoding
+    assert bool(fed_while_prefilling) == invest, fed_while_prefilling
+    plain = run_to_completion(make_engine(target, None), prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
