@@ -71,11 +71,12 @@ class RuntimeConfig:
     # CUDA: the batch-invariant Triton kernels (runtime/backends/cuda/kernels.py); False (SPECFLEET_CUDA_KERNELS=0):
     # cuBLAS and SDPA, which are not row-invariant (for comparisons only)
     cuda_kernels: bool = field(default_factory=_cuda_kernels_default)
-    # CUDA, with the kernels: replay captured graphs of the step shapes that repeat (decode, chain drafting and
-    # chain verification; runtime/backends/cuda/graphs.py); SPECFLEET_CUDA_GRAPHS=0 launches every step eagerly
+    # CUDA, with the kernels: replay captured graphs of the step shapes that repeat (decode, chain drafting, chain
+    # and tree verification, requests of different lengths padded to the longest; runtime/backends/cuda/graphs.py);
+    # SPECFLEET_CUDA_GRAPHS=0 launches every step eagerly
     cuda_graphs: bool = field(default_factory=lambda: os.environ.get("SPECFLEET_CUDA_GRAPHS", "1") != "0")
     # the memory the captured graphs of one model keep for their outputs (each shape's logits and hidden
-    # states stay allocated between replays); a shape that would pass it runs eagerly (cuda_graphs.py)
+    # states stay allocated between replays); a shape that would pass it runs eagerly (runtime/backends/cuda/graphs.py)
     cuda_graph_bytes: int = 512 << 20
 
     def __post_init__(self):

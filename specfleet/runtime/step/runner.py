@@ -75,7 +75,7 @@ class ModelRunner:
         # one non-blocking copy from this pinned buffer; the event says when the last copy has left it
         self._cuda_kernels = cuda_kernels.available(device)
         self._staging: torch.Tensor | None = None
-        self.graphs = None  # runtime/cuda_graphs.StepGraphs, made at the first step that can use one
+        self.graphs = None  # runtime/backends/cuda/graphs.StepGraphs, made at the first step that can use one
         self._staged: torch.cuda.Event | None = None
 
     @property
