@@ -493,6 +493,16 @@ def test_the_engine_is_the_fleets_and_the_length_controllers_clock(models):
     assert len(calls) == 1
 
 
+def _watch_timings(fleet, field: str) -> tuple[list, list]:
+    """Record every StepTiming the fleet hears and, for each step it times, `field` of the last timing heard
+    before it (0 before any)."""
+    heard, timed_after = [], []
+    real_observe, real_add = fleet.observe_step, fleet.steps.add
+    fleet.observe_step = lambda timing: heard.append(timing) or real_observe(timing)
+    fleet.steps.add = lambda *a: timed_after.append(getattr(heard[-1], field) if heard else 0) or real_add(*a)
+    return heard, timed_after
+
+
 def test_steps_that_prefill_another_prompt_are_not_timed_as_decode_steps(models):
     """While one request decodes, a second one's long prompt is prefilled in chunks beside it: the engine counts
     those prompt rows (StepTiming.prompt_rows, stats.prompt_rows), and the fleet does not time such a step as a
@@ -500,10 +510,7 @@ def test_steps_that_prefill_another_prompt_are_not_timed_as_decode_steps(models)
     dearer than it was, and speculation cheap beside it."""
     target, drafts = models
     fleet = build_strategy(SPECS["chains"], drafts)
-    heard, timed_after = [], []
-    real_observe, real_add = fleet.observe_step, fleet.steps.add
-    fleet.observe_step = lambda timing: heard.append(timing) or real_observe(timing)
-    fleet.steps.add = lambda *a: timed_after.append(heard[-1].prompt_rows if heard else 0) or real_add(*a)
+    heard, timed_after = _watch_timings(fleet, "prompt_rows")
     eng = make_engine(target, fleet, max_num_batched_tokens=24)
     short, long = repetitive_prompts([9, 150])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -530,10 +537,7 @@ def test_steps_that_captured_a_cuda_graph_are_not_timed(models, monkeypatch):
 
     target, drafts = models
     fleet = build_strategy(SPECS["chains"], drafts)
-    heard, timed_after = [], []
-    real_observe, real_add = fleet.observe_step, fleet.steps.add
-    fleet.observe_step = lambda timing: heard.append(timing) or real_observe(timing)
-    fleet.steps.add = lambda *a: timed_after.append(heard[-1].warmups if heard else 0) or real_add(*a)
+    heard, timed_after = _watch_timings(fleet, "warmups")
     eng = make_engine(target, fleet)
     forwards = [0]
     real_execute = ModelRunner.execute
