@@ -28,7 +28,9 @@ def render_markdown(payload: dict, plots: dict[str, list[Path]]) -> str:
         out += _part(part, plots.get(part["name"], []))
     out += ["## How to read this", "",
             "- tok/s: output tokens of all requests / wall time of all waves (a wave = `batch` prompts "
-            "submitted together); decode tok/s leaves each wave's prefill out.",
+            "submitted together); decode tok/s leaves each wave's prefill out: it times from the wave's last first "
+            "token but counts every token after each request's first, so at batch > 1 a system whose prompts finish "
+            "prefilling later (its early requests decoding meanwhile) reads higher there than it is; compare tok/s.",
             "- req tok/s: mean over requests of output tokens / latency; norm. lat.: latency / output tokens.",
             "- accept rate = accepted / drafted tokens; mean acc. len = tokens per target pass, counting the "
             "bonus token (1.0 = plain decoding); for transformers it is output tokens / target passes (batch 1).",
