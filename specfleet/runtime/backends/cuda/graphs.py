@@ -118,8 +118,8 @@ class StepGraphs:
         return padded * nlog * self._vocab() * 4 + padded * n * cfg.hidden_size * itemsize
 
     def run(self, key: tuple[int, int, int], real: int, arrays: list[np.ndarray], plan: list[np.ndarray],
-            batch: AttentionBatch, lens: list[int] | None = None) -> torch.Tensor | None:
-        """The logits of a step of shape `key` with `real` requests of `lens` new tokens each (all n when None),
+            batch: AttentionBatch, lens: list[int]) -> torch.Tensor | None:
+        """The logits of a step of shape `key` with `real` requests of `lens` new tokens each,
         in the eager step's row order; None when it must run eagerly (its keys overflow the buffer)."""
         b, n, nlog = key
         slots = plan[0]
@@ -137,8 +137,7 @@ class StepGraphs:
         if len(plan[5]) > shape.sizes[8]:  # (_sees_context bounds it; a caller may not have asked)
             self.eager += 1
             return None
-        lens = [n] * real if lens is None else list(lens)
-        shape.fill(real, arrays, plan, lens)
+        ragged = shape.fill(real, arrays, plan, lens)
         batch.slot_mapping, batch.plan = shape.slot_mapping, shape.plan
         if self.runner.device.type == "cuda" and shape.graph is None and not shape.failed:
             try:
@@ -150,9 +149,7 @@ class StepGraphs:
         if shape.failed:
             self.eager += 1
             return None
-        if shape.tree:
-            self.tree_replays += 1
-        ragged = any(m != n for m in lens)
+        self.tree_replays += shape.tree
         self.ragged_replays += ragged
         if shape.graph is not None:
             shape.graph.replay()
@@ -235,16 +232,17 @@ class _Shape:
         self.hidden: torch.Tensor | None = None
         self._event = None
 
-    def fill(self, real: int, arrays: list[np.ndarray], plan: list[np.ndarray], lens: list[int]) -> None:
+    def fill(self, real: int, arrays: list[np.ndarray], plan: list[np.ndarray], lens: list[int]) -> bool:
         """Copy a step of `real` requests with lens[r] new tokens each into the buffer: a request with fewer
         than n repeats its last row up to n (the same token, position, cache slot and keys: it computes
         that row's values again and writes the same bits to the same cache row), and requests real..b-1
-        repeat request 0."""
+        repeat request 0. Returns whether any request was so padded."""
         b, n, nlog = self.key
         ids, pos, slot_mapping, _ = arrays
         slots, base, plen, xoff, nkeys, extras = plan
         self.tree = len(extras) > 1  # (extras ends with one sentinel)
-        if any(m != n for m in lens):
+        ragged = any(m != n for m in lens)
+        if ragged:
             starts = np.cumsum([0] + lens[:-1])
             idx = np.concatenate([s + np.minimum(np.arange(n), m - 1) for s, m in zip(starts, lens)])
             ids, pos, slot_mapping, base, plen, xoff, nkeys = (a[idx] for a in (ids, pos, slot_mapping, base, plen,
@@ -268,3 +266,4 @@ class _Shape:
         if self.flat.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+        return ragged
