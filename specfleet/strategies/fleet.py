@@ -171,9 +171,11 @@ class FleetProposer:
         # the engine's measurement of the step since the last plan (observe_step); without an engine (a fleet
         # driven alone) the gap on `clock` between two calls stands in
         self._engine_elapsed: float | None = None
-        # the last step computed prompt rows (observe_step); an engine's first step always does, and its first
-        # propose comes before any StepTiming
-        self._prefilling = clock is time.perf_counter
+        # the last step computed other requests' prompt rows (observe_step). Unknown at the first propose, which
+        # comes before any StepTiming: taken as no, since a first step that prefilled every prompt is as common as
+        # one that left some for later (a draft model then kept from the first feeds of a batch of 3 looked too
+        # dear to call at all, in the fleet's tests on tiny models)
+        self._prefilling = False
         self._dropped: set[str] = set()
         self._last_batch = 1
         self.num_steps = 0
@@ -223,10 +225,7 @@ class FleetProposer:
                 if pays:
                     wanted.add(j)
                 asked = pays or (rid in forced.get(j, ()) and not self._costly_catch_up(r, j))
-                if asked and self._prefilling and not self.config.invest_while_prefilling \
-                        and isinstance(self.members[j], PreparesKV) and self._gap(r, j) > self._far(j):
-                    asked = False  # the batch is growing: not the time to feed it a prompt (invest_while_prefilling)
-                if asked and not self._unpriced_catch_up(r, j, groups[j]):
+                if asked and not self._feed_waits(r, j, groups[j]):
                     groups[j].append((r, k))
             planned += len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
@@ -389,14 +388,25 @@ class FleetProposer:
         per_step = self.catch_up[j].seconds(gap - 1) / remaining_tokens(r)
         return per_step > self.config.explore_budget * self.steps.share(self._last_batch)
 
-    def _unpriced_catch_up(self, r, j: int, group: list) -> bool:
-        """Whether `r` must wait for member j because j's catch-up has no measured cost yet and a request far
-        behind (a new prompt) already joins this call: the first catch-up prices it, and until then a call's
-        estimates see it as free. A wave of 8 HumanEval prompts fed all 8 to the 0.5B on its first call, ~1 s of
-        draft prefill in a 14 s run (the fleet with the 0.5B at 0.96x plain at 8 streams, Zen 5, 2 cores)."""
-        if self.catch_up[j].tokens or not isinstance(self.members[j], PreparesKV) or self._gap(r, j) <= self._far(j):
+    def _feeds_prompt(self, r, j: int) -> bool:
+        """Whether calling member j for `r` would first feed its cache a prompt's worth of tokens (a new request, a
+        long absence) rather than a step's usual catch-up."""
+        return isinstance(self.members[j], PreparesKV) and self._gap(r, j) > self._far(j)
+
+    def _feed_waits(self, r, j: int, group: list) -> bool:
+        """Whether `r` must wait before member j is fed its prompt (_feeds_prompt), for either of two reasons:
+        - the batch is growing (the last step prefilled other prompts) and `invest_while_prefilling` is off: the
+          feed, priced against the rest of the request at today's batch size, is lost once the bigger batch stops
+          calling the member (at 8 streams the 0.5B was fed so in each wave's prefill phase: 1.34 s of drafting in
+          a 9.2 s wave against plain's 7.4);
+        - j's catch-up has no measured cost yet and another request far behind already joins this call: the
+          first catch-up prices it, and until then a call's estimates see it as free (a wave of 8 HumanEval
+          prompts fed all 8 to the 0.5B on its first call, ~1 s of draft prefill in a 14 s run, Zen 5, 2 cores)."""
+        if not self._feeds_prompt(r, j):
             return False
-        return any(self._gap(q, j) > self._far(j) for q, _ in group)
+        if self._prefilling and not self.config.invest_while_prefilling:
+            return True
+        return not self.catch_up[j].tokens and any(self._feeds_prompt(q, j) for q, _ in group)
 
     def _catch_up(self, j: int, requests: list) -> None:
         """Bring member j's cache up to the committed tokens of the requests far behind, timed apart from

@@ -557,14 +557,17 @@ def test_steps_that_captured_a_cuda_graph_are_not_timed(models, monkeypatch):
 
 @pytest.mark.parametrize("invest", [False, True])
 def test_a_model_draft_is_not_fed_a_prompt_while_other_prompts_prefill(models, invest):
-    """Two requests arrive together; the short one decodes while the long one's prompt is prefilled in chunks
-    beside it. The batch is about to grow, so the fleet does not start its draft model for the short request
-    (feed it the whole prompt) until the prefill is done (FleetConfig.invest_while_prefilling): at 8 streams the
-    0.5B was fed that way during each wave's prefill phase, 0.6 s of drafting in a 7.7 s wave (0.88x plain).
-    The control (invest_while_prefilling=true) feeds it during the prefill. Greedy output equals plain's."""
+    """One request decodes alone; then two more arrive together, and the short one decodes while the long one's
+    prompt is prefilled in chunks beside it. The batch is about to grow, so the fleet does not start its draft
+    model for the short newcomer (feed it the whole prompt) until the prefill is done
+    (FleetConfig.invest_while_prefilling): at 8 streams the 0.5B was fed that way during each wave's prefill
+    phase, 0.6 s of drafting in a 7.7 s wave (0.88x plain). The control (invest_while_prefilling=true) feeds it
+    during the prefill. Greedy output equals plain's."""
     target, drafts = models
-    spec = "fleet[invest_while_prefilling=true](d1,prompt-lookup,ngram)" if invest else SPECS["chains"]
-    fleet = build_strategy(spec, drafts)
+    # forced calls every other step, for every request, whatever their catch-up costs: the draft model is asked
+    # for the newcomer during the prefill, and only the setting decides whether it is fed then
+    options = "explore_every=2,explore_requests=0,explore_budget=100" + (",invest_while_prefilling=true" if invest else "")
+    fleet = build_strategy(f"fleet[{options}](d1,prompt-lookup,ngram)", drafts)
     fed_while_prefilling = []
     real_catch_up = fleet._catch_up
 
@@ -576,10 +579,21 @@ def test_a_model_draft_is_not_fed_a_prompt_while_other_prompts_prefill(models, i
 
     fleet._catch_up = catch_up
     eng = make_engine(target, fleet, max_num_batched_tokens=24)
-    prompts = repetitive_prompts([20, 150])  # (20 tokens: far enough behind that feeding them is a prompt's feed)
+    # (20 tokens: far enough behind that feeding them is a prompt's feed)
+    prompts = repetitive_prompts([20, 20, 150])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs = run_to_completion(eng, prompts, params)
-    assert eng.stats.prompt_rows >= 150  # the long prompt went in chunks beside the short one's decoding
+    reqs, final = [eng.add_request(prompts[0], params)], {}
+
+    def step():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    for _ in range(4):
+        step()
+    reqs += [eng.add_request(p, params) for p in prompts[1:]]
+    while eng.has_unfinished():
+        step()
+    outs = [final[r.request_id] for r in reqs]
+    assert eng.stats.prompt_rows >= 150  # the long prompt went in chunks beside the others' decoding
     assert bool(fed_while_prefilling) == invest, fed_while_prefilling
     plain = run_to_completion(make_engine(target, None), prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
