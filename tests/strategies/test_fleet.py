@@ -565,8 +565,9 @@ def test_a_model_draft_is_not_fed_a_prompt_while_other_prompts_prefill(models, i
     during the prefill. Greedy output equals plain's."""
     target, drafts = models
     # forced calls every other step, for every request, whatever their catch-up costs: the draft model is asked
-    # for the newcomer during the prefill, and only the setting decides whether it is fed then
-    options = "explore_every=2,explore_requests=0,explore_budget=100" + (",invest_while_prefilling=true" if invest else "")
+    # for the newcomer during the prefill, and only the setting decides whether it is fed then (a tiny margin: no
+    # step is decoded plain for its timing, which on a loaded machine once kept the control from drafting at all)
+    options = "explore_every=2,explore_requests=0,explore_budget=100,margin=0.01" + (",invest_while_prefilling=true" if invest else "")
     fleet = build_strategy(f"fleet[{options}](d1,prompt-lookup,ngram)", drafts)
     fed_while_prefilling = []
     real_catch_up = fleet._catch_up
