@@ -195,6 +195,10 @@ class StepTiming:
     # target forwards within `seconds` that were one-off warm-ups (a CUDA graph captured at its shape's first
     # step, three forwards in one): not what a step of this shape costs, so cost models skip them too
     warmups: int = 0
+    # the target runs every request of a step at the step's largest number of new rows (CUDA graphs pad a ragged
+    # batch: runtime/backends/cuda/graphs.py), so a step costs its batch times its widest tree, not the sum of the
+    # trees' nodes; cost models that price nodes price padded rows then
+    padded_rows: bool = False
 
 
 @runtime_checkable

@@ -232,7 +232,8 @@ class Engine:
                 observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
                                                        self.stats.verify_time - self._verify_at, len(ready),
                                                        self.stats.prompt_rows - self._prompt_rows_at,
-                                                       self.stats.warmup_steps - self._warmups_at))
+                                                       self.stats.warmup_steps - self._warmups_at,
+                                                       self.runner.pads_ragged))
             trees = self.proposer.propose(ready)
         except Exception as e:  # noqa: BLE001 - see _draft_failed
             self._draft_failed(ready, "propose", e)

@@ -60,7 +60,8 @@ class PipelinedEngine(Engine):
         self.clock = TargetClock()
         self._parked: set[str] = set()
         self._workers = [_DraftWorker(i, p, self.pool, self.device, pc.draft_threads, lambda: self.stats.verify_time,
-                                     lambda: self.stats.prompt_rows, lambda: self.stats.warmup_steps)
+                                     lambda: self.stats.prompt_rows, lambda: self.stats.warmup_steps,
+                                     lambda: self.runner.pads_ragged)
                          for i, p in enumerate(drafters)]
         self._started = False
 
@@ -243,13 +244,15 @@ class _DrafterRouter:
 
 class _DraftWorker(threading.Thread):
     def __init__(self, index: int, proposer: Proposer, pool: ResultPool, device: torch.device,
-                 num_threads: int | None, verify_seconds=lambda: 0.0, prompt_rows=lambda: 0, warmups=lambda: 0):
+                 num_threads: int | None, verify_seconds=lambda: 0.0, prompt_rows=lambda: 0, warmups=lambda: 0,
+                 pads_ragged=lambda: False):
         super().__init__(name=f"specfleet-drafter-{index}", daemon=True)
         self.index, self.proposer, self.pool, self.device, self.num_threads = index, proposer, pool, device, num_threads
         # the engine's clock for this drafter's proposer, as Engine._propose hands it (core/proposer.StepTiming):
         # when this drafter's last drafting ended, how long it took, and the engine's verify seconds total then
         # (a float the engine thread adds to; reading it here needs no lock)
         self.verify_seconds, self.prompt_rows, self.warmups = verify_seconds, prompt_rows, warmups
+        self.pads_ragged = pads_ragged
         self._drafted_at: float | None = None
         self._draft_s = self._verify_at = 0.0
         self._prompt_rows_at = self._warmups_at = 0
@@ -289,7 +292,7 @@ class _DraftWorker(threading.Thread):
                 observe_step(self.proposer, StepTiming(t0 - self._drafted_at, self._draft_s,
                                                        verified - self._verify_at, len(requests),
                                                        self.prompt_rows() - self._prompt_rows_at,
-                                                       self.warmups() - self._warmups_at))
+                                                       self.warmups() - self._warmups_at, self.pads_ragged()))
             trees, error = self.proposer.propose(requests), None
         except Exception as e:  # noqa: BLE001 - the engine thread turns these requests to plain decoding
             trees, error = {}, e

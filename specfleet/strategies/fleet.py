@@ -23,6 +23,11 @@ CPU. So the fleet, every step, for every request:
 3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
    plain share (times `margin`).
 
+Where the target pads a step's requests to its widest tree (CUDA graphs replay a ragged batch so; the engine says
+it in StepTiming.padded_rows), a step's cost follows the batch times its widest tree, not the sum of the nodes: the
+nodes are priced as padded rows, and step 3 chooses one width for the whole batch, every request verifying its
+best tree within it (_padded_plan).
+
 Before all that, a step at a batch size where no tree could pay whatever its acceptance (every depth's
 verification costs more than the tokens it could add, on the measured step costs: 8 streams on a
 2-core CPU) drafts nothing at all and is timed as a plain step.
@@ -103,6 +108,9 @@ class FleetConfig:
     # stops calling the member. At 8 streams the 0.5B was so fed during each wave's prefill phase (0.6 s of
     # drafting in a 7.7 s wave). True: invest then too (as before)
     invest_while_prefilling: bool = False
+    # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
+    # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
+    price_padded: bool = True
 
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
@@ -176,6 +184,9 @@ class FleetProposer:
         # one that left some for later (a draft model then kept from the first feeds of a batch of 3 looked too
         # dear to call at all, in the fleet's tests on tiny models)
         self._prefilling = False
+        # the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs); then nodes are
+        # priced as padded rows, batch x the widest tree, and the step's trees are chosen together (_padded_plan)
+        self.padded = False
         self._dropped: set[str] = set()
         self._last_batch = 1
         self.num_steps = 0
@@ -214,6 +225,7 @@ class FleetProposer:
             self._call(j, requests, None, cands, spent)
         t1 = time.perf_counter()
         share, planned, groups, wanted = self.steps.share(batch), 0, {j: [] for j in self.expensive}, set()
+        padded = self.padded and batch > 1
         forced = {j: self._explore_sample(requests, j) for j in explore}
         sampled = set().union(*forced.values()) if forced else set()
         for r in requests if self.expensive else ():  # first pass: which requests an expensive draft would serve better
@@ -227,7 +239,7 @@ class FleetProposer:
                 asked = pays or (rid in forced.get(j, ()) and not self._costly_catch_up(r, j))
                 if asked and not self._feed_waits(r, j, groups[j]):
                     groups[j].append((r, k))
-            planned += len(best.tree)
+            planned = max(planned, len(best.tree)) if padded else planned + len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
         for j, group in groups.items():
             if group:
@@ -235,18 +247,10 @@ class FleetProposer:
                 self._call(j, [r for r, _ in group], k, cands, spent)
             self._since_called[j] = 0 if group else self._since_called[j] + 1
         t2 = time.perf_counter()
-        out, planned, per = {}, 0, {}
-        for r in requests:  # final pass: the best of everything drafted, or plain decoding
-            rid = r.request_id
-            best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=rid in sampled)
-            pend = self._pending[rid] = _Pending(r.num_tokens, list(self._context(rid)), cands[rid])
-            if len(best.tree) and best.rate > self.config.margin / (share + spent[rid]):
-                out[rid] = best.tree
-                pend.verified = best
-                planned += len(best.tree)
-            name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
-            self._count_choice(batch, name)
-            per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        if padded:
+            out, per, planned = self._padded_plan(requests, cands, share, spent, sampled)
+        else:
+            out, per, planned = self._plan_each(requests, cands, share, spent, sampled)
         for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
             if j in wanted:
                 self._explore_gap[j] = self.config.explore_every
@@ -255,6 +259,88 @@ class FleetProposer:
         self._plan = (self.clock(), batch, planned, per)
         self.overhead_s["decide"] += time.perf_counter() - t2
         return out
+
+    def _padded_plan(self, requests: list, cands: dict, share: float, spent: dict, sampled: set) -> tuple:
+        """The final pass when the target pads a step's requests to its widest tree (self.padded, batch > 1): a
+        step verifying trees of at most w nodes costs T(B, B * w) whatever their sizes, so a request whose tree is
+        narrower than the widest gets the rest of the width for nothing, and the first request to widen the step
+        pays it for all. The width is chosen for the batch at once: for every w, each request takes its candidate
+        of most expected tokens within w nodes (its top-w nodes by path probability, closed under ancestors), and the
+        w of best total E / (T(B, B * w) + drafting) is verified, when it beats plain decoding's rate (times
+        `margin`). A request sampled for a forced re-measurement keeps its candidate untrimmed, so the width is at
+        least its size. Pricing nodes as the sum over requests (plan_each) let one request's long tree pad seven
+        short ones: at batch 8 on an H200 the default fleet's c(7), c(8) read 1.6-2.2 against 1.1-1.4 at batch 1."""
+        batch = len(requests)
+        fixed = sum(spent.values())
+        per_request, floor = [], 0
+        for r in requests:
+            rid = r.request_id
+            if rid in sampled:  # untrimmed, as _best chooses it
+                opt = self._best(r, cands[rid], share + spent[rid], 0, untrimmed=True)
+                floor = max(floor, len(opt.tree))
+                per_request.append((r, [(opt.member, opt.tree, list(range(len(opt.tree))), None, opt.expected)]))
+                continue
+            opts = []
+            for j, tree, probs in self._scored(r, cands[rid]):
+                order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+                prefix = [1.0]
+                for i in order:
+                    prefix.append(prefix[-1] + probs[i])
+                opts.append((j, tree, order, prefix, None))
+            per_request.append((r, opts))
+
+        def expected(opt, w: int) -> float:
+            j, tree, order, prefix, whole = opt
+            if prefix is None:  # untrimmed: all of it or nothing
+                return whole if len(tree) <= w else 1.0
+            return prefix[min(w, len(tree))]
+
+        widest = max((len(o[1]) for _, opts in per_request for o in opts), default=0)
+        base = self.steps.step_time(batch, 0) + fixed
+        best_w, best_rate = 0, self.config.margin * batch / base
+        if floor:
+            best_w, best_rate = floor, -1.0
+        for w in range(max(floor, 1), widest + 1):
+            e = sum(max((expected(o, w) for o in opts), default=1.0) for _, opts in per_request)
+            rate = e / (self.steps.step_time(batch, batch * w) + fixed)
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        out, per, width = {}, {}, 0
+        extra = (self.steps.step_time(batch, batch * best_w) - self.steps.step_time(batch, 0)) / batch
+        for r, opts in per_request:
+            rid = r.request_id
+            pend = self._pending[rid] = _Pending(r.num_tokens, list(self._context(rid)), cands[rid])
+            name = "plain"
+            if best_w and opts:
+                opt = max(opts, key=lambda o: expected(o, best_w))  # the first of the best on ties
+                e = expected(opt, best_w)
+                if e > 1.0:
+                    j, tree, order, prefix, _ = opt
+                    keep = sorted(order[:best_w]) if prefix is not None else order
+                    chosen = Option(j, tree.subtree(keep), e, share + spent[rid] + extra)
+                    out[rid], pend.verified = chosen.tree, chosen
+                    width = max(width, len(chosen.tree))
+                    name = "merged" if j == MERGED else self.members[j].name
+            self._count_choice(batch, name)
+            per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        return out, per, batch * width
+
+    def _plan_each(self, requests: list, cands: dict, share: float, spent: dict, sampled: set) -> tuple:
+        """The final pass, request by request: each verifies its candidate of best rate, given the nodes the
+        requests before it plan (their sum prices the step), or nothing when no rate beats plain decoding's."""
+        out, planned, per = {}, 0, {}
+        for r in requests:
+            rid = r.request_id
+            best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=rid in sampled)
+            pend = self._pending[rid] = _Pending(r.num_tokens, list(self._context(rid)), cands[rid])
+            if len(best.tree) and best.rate > self.config.margin / (share + spent[rid]):
+                out[rid] = best.tree
+                pend.verified = best
+                planned += len(best.tree)
+            name = "plain" if rid not in out else "merged" if best.member == MERGED else self.members[best.member].name
+            self._count_choice(len(requests), name)
+            per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        return out, per, planned
 
     def _explore_sample(self, requests: list, j: int) -> set[str]:
         """The requests a forced call of member j drafts for (FleetConfig.explore_requests; 0 = all): those its
@@ -274,7 +360,9 @@ class FleetProposer:
         if not self.steps.measured:
             return False
         share, margin = self.steps.share(batch), self.config.margin
-        return all((1 + n) * share <= margin * (share + self.steps.marginal(batch, 0, n))
+        # padded (self.padded): a width of n costs every request its share of the padded rows, each adding <= n
+        per = batch if self.padded and batch > 1 else 1
+        return all((1 + n) * share <= margin * (share + self._extra(batch, 0, n) / per)
                    for n in range(1, self.num_speculative_tokens + 1))
 
     def _sample_plain(self, batch: int) -> bool:
@@ -424,17 +512,32 @@ class FleetProposer:
         for r in far:
             self._seen[(r.request_id, j)] = r.num_tokens - 1
 
-    def _best(self, r, cands: list, fixed: float, planned: int, untrimmed: bool) -> Option:
-        """The candidate (trimmed) of best rate; an empty Option (plain decoding) when none."""
-        batch = self._last_batch
-        extra = lambda m: self.steps.marginal(batch, planned, m)  # noqa: E731
+    def _extra(self, batch: int, planned: int, nodes: int) -> float:
+        """Extra seconds of a step at `batch` when one request verifies `nodes` more, given `planned`: the nodes
+        the requests before it verify in all, or where the target pads (self.padded) the widest tree so far, whose
+        width every request pays for (a step of width w costs T(batch, batch * w))."""
+        if not (self.padded and batch > 1):
+            return self.steps.marginal(batch, planned, nodes)
+        if nodes <= planned:
+            return 0.0
+        return max(self.steps.step_time(batch, batch * nodes) - self.steps.step_time(batch, batch * planned), 0.0)
+
+    def _scored(self, r, cands: list) -> list[tuple[int, DraftTree, list[float]]]:
+        """(member, tree, its nodes' path probabilities) for each candidate of `r`, and with `merge` the union of
+        its point-mass trees (member MERGED)."""
         ctx = self._context(r.request_id)
         scored = [(j, t, self.acceptance[j].path_probs(t, ctx[j])) for j, t in cands]
         point = [(t, p) for _, t, p in scored if t.draft_probs is None]
         if self.config.merge and len(point) > 1:
             scored.append((MERGED, *merge_trees([t for t, _ in point], [p for _, p in point])))
+        return scored
+
+    def _best(self, r, cands: list, fixed: float, planned: int, untrimmed: bool) -> Option:
+        """The candidate (trimmed) of best rate; an empty Option (plain decoding) when none."""
+        batch = self._last_batch
+        extra = lambda m: self._extra(batch, planned, m)  # noqa: E731
         best = Option(MERGED, DraftTree(), 1.0, fixed)
-        for j, tree, probs in scored:
+        for j, tree, probs in self._scored(r, cands):
             if untrimmed:
                 keep, e = list(range(len(tree))), 1.0 + sum(probs)
                 cost = fixed + extra(len(tree))
@@ -461,7 +564,7 @@ class FleetProposer:
             draft = self.draft_costs[j].per_request(k, gap) if self.steps.measured else 0.0
             if invest:
                 draft += invest / max(1.0, remaining_tokens(r) / e)
-            rate = e / (fixed + draft + self.steps.marginal(self._last_batch, planned, k))
+            rate = e / (fixed + draft + self._extra(self._last_batch, planned, k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
@@ -471,6 +574,7 @@ class FleetProposer:
         """The engine's seconds from the end of this fleet's last plan to now (core/proposer.StepTiming). A
         fleet built with a clock of its own (a simulation, a reproducible test) keeps that clock instead."""
         self._prefilling = bool(timing.prompt_rows)
+        self.padded = timing.padded_rows and self.config.price_padded
         if timing.prompt_rows or timing.warmups:
             # a step that also computed another request's prompt chunk is no decode step of this batch: at 8 streams
             # the prompts of a wave are prefilled in chunks beside the first requests' decoding, and those steps,
@@ -542,8 +646,9 @@ class FleetProposer:
                                      for m in [self.members[j]] if self.catch_up[j].tokens},
             "d": {m.name: round(self.draft_costs[j].d / unit, 4) if unit else None for j, m in enumerate(self.members)},
             "calls": {m.name: self.draft_costs[j].calls for j, m in enumerate(self.members)},
-            "c": [round(x, 4) for x in self.steps.c(max_nodes, batch)] if self.steps.measured else None,
+            "c": self._c_report(max_nodes, batch),
             "c_batch": batch,
+            "padded_rows": self.padded,
             "step_s": self.steps.step_time(batch, 0) if self.steps.measured else None,
             "timed_steps": self.steps.num_observations,
             "acceptance_by_position": {m.name: [round(x, 3) for x in self.acceptance[j].by_position()]
@@ -560,5 +665,15 @@ class FleetProposer:
             out[str(b)] = {"request_steps": sum(counts.values()),
                            "share": {k: round(v / n, 4) for k, v in counts.items() if v},
                            "step_s": self.steps.step_time(b, 0) if self.steps.measured else None,
-                           "c": [round(x, 4) for x in self.steps.c(max_nodes, b)] if self.steps.measured else None}
+                           "c": self._c_report(max_nodes, b)}
         return out
+
+    def _c_report(self, max_nodes: int, batch: int) -> list[float] | None:
+        """c(0..max_nodes) at `batch`: one request's nodes, the rest plain; where the target pads (self.padded) a
+        width's, every request padded to it (T(batch, batch * w) over the plain step)."""
+        if not self.steps.measured:
+            return None
+        if not (self.padded and batch > 1):
+            return [round(x, 4) for x in self.steps.c(max_nodes, batch)]
+        base = self.steps.step_time(batch, 0)
+        return [round(self.steps.step_time(batch, batch * w) / base, 4) for w in range(max_nodes + 1)]

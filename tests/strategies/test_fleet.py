@@ -383,6 +383,78 @@ def test_decisions_at_batch_three_use_each_requests_share():
     assert fleet.steps.share(3) == pytest.approx(1.0, rel=0.05)  # 3 steps' worth over 3 requests
 
 
+
+class PerRequestDraft(FakeDraft):
+    """A FakeDraft whose accuracy depends on the request (`accuracy` maps request ids to it)."""
+
+    def __init__(self, name, clock, accuracy: dict, k=8, seed=1):
+        super().__init__(name, clock, 0.0, 0.0, k=k, seed=seed)
+        self.by_request = accuracy
+
+    def propose(self, requests):
+        out = {}
+        for r in requests:
+            self.accuracy = self.by_request[r.request_id]
+            out.update(super().propose([r]))
+        return out
+
+
+def _padded_target(told: bool, node_cost: float = 0.1, batch: int = 8, steps: int = 400):
+    """A target that pads every request of a step to its widest tree (CUDA graphs): a step costs
+    batch + node_cost * batch * width on the fake clock. One request's cheap draft is right 97 % of the time, the
+    other seven's 20 %. `told`: the fleet hears StepTiming.padded_rows. Returns (tokens per unit of time over the
+    second half, where plain decoding makes 1.0; the widths of the second half's steps, per request)."""
+    from specfleet.core.proposer import StepTiming, observe_step
+
+    clock = Clock()
+    draft = PerRequestDraft("cheap", clock, {f"r{i}": 0.97 if i == 0 else 0.2 for i in range(batch)})
+    fleet = FleetProposer([draft], clock=clock)
+    reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(5 + i)]) for i in range(batch)]
+    tokens, start, widths = 0, 0.0, []
+    for s in range(steps):
+        if s == steps // 2:
+            tokens, start = 0, clock.now
+        observe_step(fleet, StepTiming(0.0, 0.0, 0.0, batch, padded_rows=told))
+        trees = fleet.propose(reqs)
+        clock.now += batch + node_cost * batch * max((len(t) for t in trees.values()), default=0)
+        feedback = []
+        for r in reqs:
+            tree = trees.get(r.request_id)
+            if tree is None:
+                r.tokens.append(truth(r.num_tokens))
+                tokens += 1
+                continue
+            want = [truth(r.num_tokens + i) for i in range(len(tree) + 1)]
+            hit = sorted(matched_nodes(tree, want))
+            emitted = [tree.token_ids[j] for j in hit] + [truth(r.num_tokens + len(hit))]
+            r.tokens += emitted
+            tokens += len(emitted)
+            feedback.append(Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted))
+        fleet.observe(feedback)
+        if s >= steps // 2:
+            widths.append([len(trees[r.request_id]) if r.request_id in trees else 0 for r in reqs])
+    return tokens / (clock.now - start), widths, fleet
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_padded_target_prices_the_widest_tree_for_every_request(told):
+    """Where the target pads a step's requests to its widest tree (CUDA graphs), a request narrower than the
+    widest verifies the rest of the width for nothing, and widening the step costs every request. Told so
+    (StepTiming.padded_rows) the fleet chooses one width for the batch (here mostly 2: 1.19x plain decoding in this
+    simulation) and fills every request's tree to it; priced as the sum of nodes (not told: the control, which must
+    fail) it learns that one request's long tree pads the others and falls back to plain decoding (1.0x)."""
+    rate, widths, fleet = _padded_target(told)
+    speculative = [w for w in widths if max(w)]
+    assert all(min(w) == max(w) for w in speculative)  # every request filled to the width (its chain is long enough)
+    assert fleet.fleet_report()["padded_rows"] is told
+    if told:
+        assert rate > 1.1 and len(speculative) > 0.8 * len(widths), rate
+        c = fleet.fleet_report()["c"]  # per width, every request padded: 1 + 0.1 * width over a plain step of 8
+        assert c[:5] == pytest.approx([1 + 0.1 * w for w in range(5)], rel=0.05)
+    else:
+        assert rate < 1.1
+
+
 # -- on tiny models: greedy equality, KV, composition -----------------------------------------------
 SPECS = {
     "chains": "fleet(d1,prompt-lookup,ngram)",

@@ -157,6 +157,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, rows), self.vocab_limit)
 
     @property
+    def pads_ragged(self) -> bool:
+        """Whether a step's requests run at its largest number of new rows (CUDA graphs replay ragged batches
+        padded: runtime/backends/cuda/graphs.py), so its cost follows the widest request, not the sum of rows."""
+        return self._cuda and bool(self.model.runtime.cuda_graphs)
+
+    @property
     def graph_captures(self) -> int:
         """CUDA graphs captured so far (each at a step that ran its forward three times)."""
         return 0 if self.graphs is None else self.graphs.captures

@@ -47,6 +47,11 @@ def _proposer(kind, draft, device=CUDA):
     if kind == "draft-tree":
         return DraftModelProposer(draft, "draft", DraftModelConfig(4, top_children=3, max_nodes=20,
                                                                    kv_cache_bytes=small), device=device)
+    if kind == "fleet":
+        from specfleet.strategies.fleet import FleetProposer
+
+        return FleetProposer([PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3)),
+                              DraftModelProposer(draft, "draft", DraftModelConfig(4, kv_cache_bytes=small), device=device)])
     return PromptLookupProposer(PromptLookupConfig(4, min_ngram=1, num_branches=3))
 
 
@@ -198,3 +203,13 @@ def test_step_graphs_replay_the_eager_steps_bits_on_cuda(pair, kind, batch):
     assert 0 < eng.stats.warmup_steps <= graphs.captures == len(graphs._shapes)
     if kind == "lookup-tree":  # at batch 3, trees of different sizes padded to the largest
         assert graphs.tree_replays > 0 and (batch == 1 or graphs.ragged_replays > 0)
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_the_fleet_prices_padded_rows_where_graphs_pad_on_cuda(pair, batch):
+    """With CUDA graphs a ragged batch runs padded to its widest request (runtime/backends/cuda/graphs.py): the
+    engine tells the fleet (StepTiming.padded_rows), which then prices a step by its width; the tokens stay the
+    eager steps' and every verified row its decode step's."""
+    eng, prompts = graphs_against_eager(*pair, "fleet", batch)
+    assert eng.runner.pads_ragged and eng.proposer.padded and eng.proposer.fleet_report()["padded_rows"]
+    assert eng.stats.num_drafted > 0
