@@ -15,7 +15,8 @@ CPU, tests/runtime/backends/cuda/test_route_on_cpu.py runs the same padded path 
 
 Requests with fewer new tokens than the step's most (trees and chains of different sizes in one batch) are
 padded to it the same way: a request repeats its own last row (token, position, cache slot and keys), which
-computes that row again and writes the same bits to the same cache row; the real rows are gathered back.
+computes that row again and writes the same bits to the same cache row; the real rows are gathered back. The
+step's n itself is rounded up to one of `NEW_BUCKETS` the same way, so fewer shapes are captured.
 
 A tree is the same shape as a chain of as many nodes: which new tokens a row sees is data of the key plan
 (its `plen` prefix and its `extras`, runtime/step/plan.py), positions are data too, and the attention
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8, 16, 24, 32)  # padded request counts
 MAX_NEW = 16  # new tokens per request (a verified chain of up to 15 drafted tokens)
+# a step's n is padded up to one of these (its requests repeat their last rows), so a batch of ragged trees meets
+# 8 shapes rather than 16: each shape's first step captures its graph (three forwards and the capture, ~90 ms for
+# SmolLM2-135M on an H200), and one 8-prompt wave of the default fleet at batch 8 captured 14 shapes in the run
+NEW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 MAX_LOGITS_BYTES = 256 << 20  # a shape's captured logits stay allocated: larger ones run eagerly
 
 
@@ -79,6 +84,7 @@ class StepGraphs:
         n = max(len(it.token_ids) for it in items)
         if not 1 <= n <= MAX_NEW:
             return None
+        n = next(x for x in NEW_BUCKETS if x >= n)
         every = None
         for it in items:
             m = len(it.token_ids)

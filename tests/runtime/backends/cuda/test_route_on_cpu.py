@@ -114,6 +114,11 @@ def test_step_graphs_give_the_eager_steps_tokens_and_bits(routed, pair, kind, ba
     if kind == "lookup-tree":  # branched trees, and at batch 3 trees of different sizes padded to the largest
         assert graphs.tree_replays > 0 and (batch == 1 or graphs.ragged_replays > 0)
     assert graphs.captures == 0  # the CPU runs the padded forward eagerly: nothing is captured
+    from specfleet.runtime.backends.cuda.graphs import NEW_BUCKETS
+
+    assert {n for _, n, _ in graphs._shapes} <= set(NEW_BUCKETS)  # n rounded up: fewer shapes to capture
+    if kind == "draft-chain":  # k=4 chains verify 5 rows: padded to 6, rows gathered back (the bits checked above)
+        assert (4, 6, 6) in graphs._shapes and graphs.ragged_replays > 0
 
 
 def test_step_graphs_keep_their_outputs_within_the_memory_plan(routed, pair):
