@@ -133,6 +133,9 @@ class LLM:
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                               max_num_prefills=max_num_prefills, mixed_step_factor=mixed_step_factor))
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.device)
+        if self.device.type == "cuda":  # CUDA graphs: every decode and verification shape captured now, not mid-run
+            depth = max(num_speculative_tokens, getattr(proposer, "num_speculative_tokens", 0) or 0) if proposer else 0
+            self.engine.capture_graphs(max_new=depth + 1)
 
     @classmethod
     def from_model(cls, model: DecoderLM, tokenizer=None, draft: str | None = _USE_DEFAULT, *, name: str = "custom",

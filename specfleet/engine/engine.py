@@ -93,6 +93,21 @@ class Engine:
         self._ids = itertools.count()
         self.grammars: GrammarCompiler | None = None  # built on the first constrained request (grammar_compiler)
 
+    def capture_graphs(self, max_new: int = 8) -> int:
+        """With CUDA graphs (RuntimeConfig.cuda_graphs on a GPU), capture the step shapes of up to max_num_seqs
+        requests and `max_new` new tokens each now, before any request (runtime/backends/cuda/graphs.py,
+        StepGraphs.capture_ahead), so no request's step pays a capture. Call it before adding requests. Returns
+        the number of shapes captured; 0 where the runner has no graphs."""
+        if not self.runner.pads_ragged:
+            return 0
+        if self.requests:
+            raise RuntimeError("capture_graphs runs before any request is added")
+        from specfleet.runtime.backends.cuda.graphs import StepGraphs
+
+        if self.runner.graphs is None:
+            self.runner.graphs = StepGraphs(self.runner)
+        return self.runner.graphs.capture_ahead(self.blocks, self.config.scheduler.max_num_seqs, max_new)
+
     # -- request lifecycle -----------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, compiled: bool = False) -> None:
         """Raise InvalidRequestError unless `add_request` takes this prompt with these params; a batch is

@@ -213,3 +213,26 @@ def test_the_fleet_prices_padded_rows_where_graphs_pad_on_cuda(pair, batch):
     eng, prompts = graphs_against_eager(*pair, "fleet", batch)
     assert eng.runner.pads_ragged and eng.proposer.padded and eng.proposer.fleet_report()["padded_rows"]
     assert eng.stats.num_drafted > 0
+
+
+def test_shapes_captured_ahead_serve_the_first_requests_on_cuda(pair):
+    """Engine.capture_graphs captures decode and verification shapes before any request (scratch requests,
+    blocks freed): the first requests then replay them (no verification shape captured while they run), with
+    the tokens and row bits of an engine that captured as it went."""
+    import copy
+    import dataclasses
+
+    target, draft = pair
+    prompts = repetitive_prompts(LENGTHS[3])
+    with_graphs = lambda m: copy.deepcopy(m).set_runtime(dataclasses.replace(m.runtime, cuda_graphs=True))  # noqa: E731
+    lazy = _engine(with_graphs(target), _proposer("draft-chain", with_graphs(draft)), budget=32)
+    want, _ = check_engine_run(lazy, prompts, GREEDY)
+    eng = _engine(with_graphs(target), _proposer("draft-chain", with_graphs(draft)), budget=32)
+    free = eng.blocks.num_free_blocks
+    made = eng.capture_graphs(max_new=5)
+    graphs = eng.runner.graphs
+    assert made == graphs.captures == len(graphs._shapes) > 0 and eng.blocks.num_free_blocks == free
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert report.rows_differing == 0 and report.rows_checked > 0
+    assert all(k[2] != k[1] for k in list(graphs._shapes)[made:])  # later captures: last-row (prompt) shapes only

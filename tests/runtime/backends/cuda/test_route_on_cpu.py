@@ -146,3 +146,34 @@ def test_step_graphs_keep_their_outputs_within_the_memory_plan(routed, pair):
     assert outs == eager
     assert graphs.planned_bytes <= one and len(graphs._shapes) == 1
     assert graphs.replays > 0 and graphs.over_budget > 0 and sum(unbounded.shape_bytes(k) for k in unbounded._shapes) > one
+
+
+def test_graph_shapes_captured_ahead_leave_no_trace(routed, pair):
+    """Engine.capture_graphs: the shapes of plain decoding and verification (padded batches up to max_num_seqs,
+    n up to max_new) are made before any request, on scratch requests whose blocks are freed after; then the
+    requests' steps find their shapes made, and their tokens and every verified row are what an engine that made
+    them as it went gives (the scratch steps wrote only to their own freed blocks)."""
+    import copy
+    import dataclasses
+
+    from specfleet.runtime.backends.cuda.graphs import NEW_BUCKETS
+
+    target, draft = pair
+    prompts = repetitive_prompts(LENGTHS[3])
+    with_graphs = lambda m: copy.deepcopy(m).set_runtime(dataclasses.replace(m.runtime, cuda_graphs=True))  # noqa: E731
+    lazy = _cpu_engine(with_graphs(target), _cpu_proposer("draft-chain", with_graphs(draft)), budget=32)
+    want, _ = check_engine_run(lazy, prompts, GREEDY)
+    eng = _cpu_engine(with_graphs(target), _cpu_proposer("draft-chain", with_graphs(draft)), budget=32)
+    free = eng.blocks.num_free_blocks
+    made = eng.capture_graphs(max_new=5)  # max_num_seqs 8: batches 1, 2, 4, 8; n 1, 2, 3, 4 and 6 (for 5)
+    graphs = eng.runner.graphs
+    assert made == len(graphs._shapes) == 4 * len([n for n in NEW_BUCKETS if n <= 6]) == 20
+    assert eng.blocks.num_free_blocks == free and not eng.requests
+    shapes = set(graphs._shapes)
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert report.rows_differing == 0 and report.rows_checked > 0
+    assert {k for k in graphs._shapes if k[2] == k[1]} <= shapes  # none made as it went (but last-row shapes)
+    with pytest.raises(RuntimeError, match="before any request"):
+        eng.add_request([1, 2, 3], GREEDY)
+        eng.capture_graphs()
