@@ -25,7 +25,7 @@ from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.sample.structured import GrammarCompiler, Matcher, compiler_for
 from specfleet.runtime.kv.cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model.decoder import DecoderLM
-from specfleet.runtime.step.runner import ModelRunner
+from specfleet.runtime.step.runner import ForwardItem, ModelRunner
 from specfleet.runtime.sample.sampling import make_generator
 from specfleet.sampling_params import SamplingParams
 
@@ -94,10 +94,10 @@ class Engine:
         self.grammars: GrammarCompiler | None = None  # built on the first constrained request (grammar_compiler)
 
     def capture_graphs(self, max_new: int = 8) -> int:
-        """With CUDA graphs (RuntimeConfig.cuda_graphs on a GPU), capture the step shapes of up to max_num_seqs
-        requests and `max_new` new tokens each now, before any request (runtime/backends/cuda/graphs.py,
-        StepGraphs.capture_ahead), so no request's step pays a capture. Call it before adding requests. Returns
-        the number of shapes captured; 0 where the runner has no graphs."""
+        """With CUDA graphs (RuntimeConfig.cuda_graphs on a GPU), capture now, before any request, the step shapes
+        of up to max_num_seqs requests and `max_new` new tokens each (runtime/backends/cuda/graphs.py,
+        StepGraphs.ahead), each on a step of scratch requests whose cache blocks are freed after, so no request's
+        step pays a capture. Returns the number of shapes made; 0 where the runner has no graphs."""
         if not self.runner.pads_ragged:
             return 0
         if self.requests:
@@ -106,7 +106,21 @@ class Engine:
 
         if self.runner.graphs is None:
             self.runner.graphs = StepGraphs(self.runner)
-        return self.runner.graphs.capture_ahead(self.blocks, self.config.scheduler.max_num_seqs, max_new)
+        graphs, before = self.runner.graphs, len(self.runner.graphs._shapes)
+        for b, n in StepGraphs.ahead(self.config.scheduler.max_num_seqs, max_new):
+            if not self.blocks.can_allocate(b * n + b * self.blocks.block_size):
+                break
+            rids = [f"__graphs_{b}_{n}_{i}__" for i in range(b)]
+            for rid in rids:
+                self.blocks.allocate(rid, n)
+            try:
+                items = [ForwardItem(rid, [0] * n, 0, list(range(n))) for rid in rids]
+                if graphs.shape_of(items) is not None:
+                    self.runner.execute(items, self.blocks)
+            finally:
+                for rid in rids:
+                    self.blocks.free(rid)
+        return len(graphs._shapes) - before
 
     # -- request lifecycle -----------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, compiled: bool = False) -> None:

@@ -112,35 +112,18 @@ class StepGraphs:
             return None
         return key
 
-    def capture_ahead(self, blocks, max_batch: int, max_new: int) -> int:
-        """Capture, before any request, the shapes of plain decoding and of verification that steps of up to
-        `max_batch` requests and `max_new` new tokens each meet (padded batches of BATCHES, n of NEW_BUCKETS,
-        logits for every row), each on a step of its own over scratch requests whose cache blocks are freed after:
-        a request's first steps then replay graphs instead of capturing them (one 8-prompt wave of the default
-        fleet at batch 8 on an H200 captured 14 shapes while it ran, at 603 tok/s against plain's 1,396). Shapes
-        whose logits or hidden states do not fit the plan (RuntimeConfig.cuda_graph_bytes) are left to run
-        eagerly, as they would; narrow shapes go first, so such a plan keeps decoding's. Returns the number of shapes captured (or, on the CPU route, filled and run)."""
-        from specfleet.runtime.step.runner import ForwardItem
-
-        before = len(self._shapes)
+    @staticmethod
+    def ahead(max_batch: int, max_new: int) -> list[tuple[int, int]]:
+        """The (requests, new tokens each) of the steps that make, before any request, the shapes of plain
+        decoding and of verification that steps of up to `max_batch` requests and `max_new` new tokens each meet
+        (padded batches of BATCHES, n of NEW_BUCKETS; engine/engine.py Engine.capture_graphs runs them on scratch
+        requests): a request's first steps then replay graphs instead of capturing them (one 8-prompt wave of
+        the default fleet at batch 8 on an H200 captured 14 shapes while it ran, at 603 tok/s against plain's
+        1,396). Narrow shapes come first (decode at every batch size, then ever wider verification), so a plan
+        too small for all of them (RuntimeConfig.cuda_graph_bytes; shape_of leaves the rest to run eagerly, as
+        they would) keeps the shapes most steps meet."""
         top = next(x for x in NEW_BUCKETS if x >= min(max(max_new, 1), MAX_NEW))  # the size max_new rounds up to
-        # n outer: decode shapes at every batch size first, then ever wider verification, so a plan too small for
-        # all of them keeps the shapes most steps meet
-        for n in (x for x in NEW_BUCKETS if x <= top):
-            for b in (x for x in BATCHES if x <= max(max_batch, 1)):
-                rids = [f"__graphs_{b}_{n}_{i}__" for i in range(b)]
-                if not blocks.can_allocate(b * n + b * blocks.block_size):
-                    return len(self._shapes) - before
-                for rid in rids:
-                    blocks.allocate(rid, n)
-                try:
-                    items = [ForwardItem(rid, [0] * n, 0, list(range(n))) for rid in rids]
-                    if self.shape_of(items) is not None:
-                        self.runner.execute(items, blocks)
-                finally:
-                    for rid in rids:
-                        blocks.free(rid)
-        return len(self._shapes) - before
+        return [(b, n) for n in NEW_BUCKETS if n <= top for b in BATCHES if b <= max(max_batch, 1)]
 
     def _vocab(self) -> int:
         return self.runner.vocab_limit or self.runner.model.config.vocab_size
