@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
 from specfleet.strategies.costs import Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes, outcomes
-from specfleet.strategies.fleet_trees import best_subtree, merge_trees
+from specfleet.strategies.fleet_trees import best_subtree, merge_trees, ranked
 from specfleet.strategies.length import prune_depth
 from specfleet.core.proposer import (Feedback, PreparesKV, Proposer, model_size, set_speculation_length,
                                      speculation_length)
@@ -280,14 +280,7 @@ class FleetProposer:
                 floor = max(floor, len(opt.tree))
                 per_request.append((r, [(opt.member, opt.tree, list(range(len(opt.tree))), None, opt.expected)]))
                 continue
-            opts = []
-            for j, tree, probs in self._scored(r, cands[rid]):
-                order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
-                prefix = [1.0]
-                for i in order:
-                    prefix.append(prefix[-1] + probs[i])
-                opts.append((j, tree, order, prefix, None))
-            per_request.append((r, opts))
+            per_request.append((r, [(j, tree, *ranked(probs), None) for j, tree, probs in self._scored(r, cands[rid])]))
 
         def expected(opt, w: int) -> float:
             j, tree, order, prefix, whole = opt

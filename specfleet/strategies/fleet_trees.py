@@ -5,16 +5,26 @@ from __future__ import annotations
 from specfleet.core.tree import DraftTree
 
 
+def ranked(probs: list[float]) -> tuple[list[int], list[float]]:
+    """(nodes by path probability, highest first, ties in tree order; E[tokens] when the first m of them are
+    verified, m = 0..len). Every prefix of the order is closed under ancestors (a child's path probability never
+    exceeds its parent's, and a parent comes first in the tree), so the first m are the best m-node subtree."""
+    order = sorted(range(len(probs)), key=lambda j: (-probs[j], j))
+    expected = [1.0]
+    for j in order:
+        expected.append(expected[-1] + probs[j])
+    return order, expected
+
+
 def best_subtree(probs: list[float], fixed: float, extra) -> tuple[list[int], float, float]:
     """(nodes, E[tokens], cost) of the ancestor-closed node set of best E / cost, where verifying m
     nodes costs fixed + extra(m); the empty set (plain decoding) included."""
-    order = sorted(range(len(probs)), key=lambda j: (-probs[j], j))
-    best, e = (0, 1.0, fixed), 1.0
-    for m, j in enumerate(order, 1):
-        e += probs[j]
+    order, expected = ranked(probs)
+    best = (0, 1.0, fixed)
+    for m in range(1, len(order) + 1):
         cost = fixed + extra(m)
-        if e * best[2] > best[1] * cost:
-            best = (m, e, cost)
+        if expected[m] * best[2] > best[1] * cost:
+            best = (m, expected[m], cost)
     return sorted(order[:best[0]]), best[1], best[2]
 
 

@@ -215,24 +215,40 @@ def test_the_fleet_prices_padded_rows_where_graphs_pad_on_cuda(pair, batch):
     assert eng.stats.num_drafted > 0
 
 
+def captured_ahead_against_lazy(target, draft, device=CUDA):
+    """Two engines with graphs on the same prompts (batch 3, a k=4 draft chain): one captures its shapes as it goes,
+    the other first runs Engine.capture_graphs(max_new=5) (scratch requests, their blocks freed after). The tokens
+    and every verified row must be the same. Returns (the second engine, shapes made ahead, those shapes, graphs
+    captured by then)."""
+    import copy
+    import dataclasses
+
+    def with_graphs(model):
+        return copy.deepcopy(model).set_runtime(dataclasses.replace(model.runtime, cuda_graphs=True))
+
+    prompts = repetitive_prompts(LENGTHS[3])
+
+    def engine():
+        return _engine(with_graphs(target), _proposer("draft-chain", with_graphs(draft), device), budget=32,
+                       device=device)
+
+    want, _ = check_engine_run(engine(), prompts, GREEDY)
+    eng = engine()
+    free = eng.blocks.num_free_blocks
+    made = eng.capture_graphs(max_new=5)
+    graphs = eng.runner.graphs
+    shapes, captured = list(graphs._shapes), graphs.captures
+    assert eng.blocks.num_free_blocks == free and not eng.requests
+    outs, report = check_engine_run(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert report.rows_differing == 0 and report.rows_checked > 0
+    return eng, made, shapes, captured
+
+
 def test_shapes_captured_ahead_serve_the_first_requests_on_cuda(pair):
     """Engine.capture_graphs captures decode and verification shapes before any request (scratch requests,
     blocks freed): the first requests then replay them (no verification shape captured while they run), with
     the tokens and row bits of an engine that captured as it went."""
-    import copy
-    import dataclasses
-
-    target, draft = pair
-    prompts = repetitive_prompts(LENGTHS[3])
-    with_graphs = lambda m: copy.deepcopy(m).set_runtime(dataclasses.replace(m.runtime, cuda_graphs=True))  # noqa: E731
-    lazy = _engine(with_graphs(target), _proposer("draft-chain", with_graphs(draft)), budget=32)
-    want, _ = check_engine_run(lazy, prompts, GREEDY)
-    eng = _engine(with_graphs(target), _proposer("draft-chain", with_graphs(draft)), budget=32)
-    free = eng.blocks.num_free_blocks
-    made = eng.capture_graphs(max_new=5)
-    graphs = eng.runner.graphs
-    assert made == graphs.captures == len(graphs._shapes) > 0 and eng.blocks.num_free_blocks == free
-    outs, report = check_engine_run(eng, prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert report.rows_differing == 0 and report.rows_checked > 0
-    assert all(k[2] != k[1] for k in list(graphs._shapes)[made:])  # later captures: last-row (prompt) shapes only
+    eng, made, shapes, captured = captured_ahead_against_lazy(*pair)
+    assert made == captured == len(shapes) > 0
+    assert all(k[2] != k[1] for k in list(eng.runner.graphs._shapes)[made:])  # later: last-row (prompt) shapes only

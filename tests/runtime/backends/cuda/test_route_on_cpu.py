@@ -17,7 +17,7 @@ import torch
 
 from cuda_route import route_cuda_on_cpu
 from specfleet.bench.rowcheck import check_engine_run
-from tests.runtime.backends.cuda.test_on_gpu import _engine, _proposer, graphs_against_eager
+from tests.runtime.backends.cuda.test_on_gpu import _engine, _proposer, captured_ahead_against_lazy, graphs_against_eager
 from tests.engine.test_dispatch_counts import _step_counts
 from tiny_engines import LENGTHS, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
@@ -153,27 +153,12 @@ def test_graph_shapes_captured_ahead_leave_no_trace(routed, pair):
     n up to max_new) are made before any request, on scratch requests whose blocks are freed after; then the
     requests' steps find their shapes made, and their tokens and every verified row are what an engine that made
     them as it went gives (the scratch steps wrote only to their own freed blocks)."""
-    import copy
-    import dataclasses
-
     from specfleet.runtime.backends.cuda.graphs import NEW_BUCKETS
 
-    target, draft = pair
-    prompts = repetitive_prompts(LENGTHS[3])
-    with_graphs = lambda m: copy.deepcopy(m).set_runtime(dataclasses.replace(m.runtime, cuda_graphs=True))  # noqa: E731
-    lazy = _cpu_engine(with_graphs(target), _cpu_proposer("draft-chain", with_graphs(draft)), budget=32)
-    want, _ = check_engine_run(lazy, prompts, GREEDY)
-    eng = _cpu_engine(with_graphs(target), _cpu_proposer("draft-chain", with_graphs(draft)), budget=32)
-    free = eng.blocks.num_free_blocks
-    made = eng.capture_graphs(max_new=5)  # max_num_seqs 8: batches 1, 2, 4, 8; n 1, 2, 3, 4 and 6 (for 5)
-    graphs = eng.runner.graphs
-    assert made == len(graphs._shapes) == 4 * len([n for n in NEW_BUCKETS if n <= 6]) == 20
-    assert eng.blocks.num_free_blocks == free and not eng.requests
-    shapes = set(graphs._shapes)
-    outs, report = check_engine_run(eng, prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert report.rows_differing == 0 and report.rows_checked > 0
-    assert {k for k in graphs._shapes if k[2] == k[1]} <= shapes  # none made as it went (but last-row shapes)
+    eng, made, shapes, _ = captured_ahead_against_lazy(*pair, device=CPU)
+    # max_num_seqs 8: batches 1, 2, 4, 8; n 1, 2, 3, 4 and 6 (for 5)
+    assert made == len(shapes) == 4 * len([n for n in NEW_BUCKETS if n <= 6]) == 20
+    assert {k for k in eng.runner.graphs._shapes if k[2] == k[1]} <= set(shapes)  # none made as it went (but last-row)
     with pytest.raises(RuntimeError, match="before any request"):
         eng.add_request([1, 2, 3], GREEDY)
         eng.capture_graphs()
