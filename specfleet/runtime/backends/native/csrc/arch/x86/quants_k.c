@@ -455,6 +455,11 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
             for (int i = 0; i < 4; i++)
                 q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
         }
+        /* unrolled (R is a constant here): as a loop GCC kept the accumulators in memory and the rows'
+         * dpbusd chains waited on each other; unrolled, the 1.5B's Q6_K ffn_down over 854 prompt rows ran
+         * 1.4x faster (237 -> 321-343 GMAC/s, two threads, Zen 5), 8- and 9-row verification 25 % faster,
+         * with the same instructions per row. dot4_q4_k measured no faster unrolled; it is left as it is. */
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
             __m512i f = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
