@@ -149,7 +149,7 @@ def test_rows_are_bit_identical_whatever_shares_the_call(qtype):
     full = qlinear(x, w)
     for i in range(0, 70, 3):
         assert torch.equal(full[i:i + 1], qlinear(x[i:i + 1].contiguous(), w)), i
-    for a, b in [(0, 2), (0, 3), (3, 8), (0, 9), (1, 10), (5, 70), (30, 37)]:
+    for a, b in [(0, 2), (0, 3), (3, 8), (0, 9), (1, 10), (0, 16), (0, 17), (7, 24), (5, 70), (30, 37)]:
         assert torch.equal(full[a:b], qlinear(x[a:b].contiguous(), w)), (a, b)
     # nor on which weight rows share the call: a fused q/k/v or gate/up gives each part's outputs exactly
     for a, b in [(0, 1), (5, 70), (17, 133)]:

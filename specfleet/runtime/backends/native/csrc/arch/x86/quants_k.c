@@ -318,7 +318,7 @@ ALWAYS_INLINE void q4k_float_scales4(const b_q4_k *w0, const b_q4_k *w1, const b
  * same integer totals and the same fp32 epilogue as dot2_q4_k and dot_q4_k, so the same bits. */
 ALWAYS_INLINE void dot4_q4_k(const uint8_t *row0, int64_t row_bytes, int64_t nb, const xq256 *const *x, int R,
                              float *const *out) {
-    __m512 acc[2][TILE];
+    __m512 acc[2][QUAD_TILE];
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)(row0 + row_bytes);
     const b_q4_k *w2 = (const b_q4_k *)(row0 + 2 * row_bytes), *w3 = (const b_q4_k *)(row0 + 3 * row_bytes);
