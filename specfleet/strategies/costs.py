@@ -5,8 +5,9 @@ Three estimators, all fed from timings and outcomes the fleet observes itself:
 - `StepCosts`: T(B, N), the wall time of one engine step (target forward, verification, commit,
   bookkeeping) with B requests decoding and N draft nodes verified in total. Per batch size it keeps a
   running mean per N, made non-decreasing in N (pool-adjacent-violators) and interpolated between the
-  N it has seen; beyond them it extends with the steeper of the last segment's slope and the slope of
-  a least-squares fit T = a + b*B + g*N over recent steps (which also answers for an unseen B). With
+  N it has seen (once two N were timed `min_support` times, only the N timed that often); beyond them it
+  extends with the steeper of the last segment's slope and the slope of a least-squares fit
+  T = a + b*B + g*N over recent steps (which also answers for an unseen B). With
   no timing at all it answers in *step units*: T = B + prior_node_cost * N. Below the fewest nodes seen
   at a batch size (one that always speculated, so its plain step was never timed) it extends down with the
   steeper of the first segment's slope and the fit's: erring low there makes plain decoding look cheap, so
@@ -82,10 +83,12 @@ def pool_adjacent_violators(values: list[float], weights: list[float]) -> list[f
 
 
 class StepCosts:
-    def __init__(self, window: int = 256, cell_memory: int = 32, prior_node_cost: float = 0.1):
+    def __init__(self, window: int = 256, cell_memory: int = 32, prior_node_cost: float = 0.1, min_support: int = 4):
         self.fit = LinearFit(window)
         self.cell_memory = cell_memory  # a cell's mean follows roughly its last this many steps
         self.prior_node_cost = prior_node_cost
+        # once two node counts were timed this often, a count timed fewer times is left out of the curve (_curve)
+        self.min_support = min_support
         self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
         self._memo: dict[tuple[int, int], float] = {}  # step_time answers, until the next step is added
@@ -105,8 +108,17 @@ class StepCosts:
         self.num_observations += 1
 
     def _curve(self, batch: int) -> tuple[list[int], list[float]]:
+        """The per-N means, made non-decreasing. Once two node counts were timed at least min_support times,
+        a count timed fewer times is left to the curve's neighbours and the fit: one stray slow step at the
+        largest count seen (a verification the OS descheduled) had priced that count and, by the last
+        segment's slope, every larger tree, so the fleet never verified one again to correct it (a chat
+        run's c(4) read 3.2 where its steps cost 1.5). Before that every count seen counts, as the first
+        steps must decide from something."""
         if batch not in self._curves:
             cells = sorted(self.cells[batch].items())
+            often = [(n, c) for n, c in cells if c[1] >= self.min_support]
+            if len(often) >= 2:
+                cells = often
             xs = [n for n, _ in cells]
             self._curves[batch] = (xs, pool_adjacent_violators([c[0] for _, c in cells], [c[1] for _, c in cells]))
         return self._curves[batch]

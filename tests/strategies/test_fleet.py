@@ -53,6 +53,23 @@ def test_step_costs_follow_a_convex_cpu_curve():
     assert costs.step_time(1, 10) == pytest.approx(truth(10), rel=0.05)  # beyond: the last slope
 
 
+def test_one_slow_step_at_the_largest_node_count_does_not_price_every_larger_tree():
+    """A verification descheduled once (2x its time) at the largest node count seen so far: the slope past it
+    comes from node counts timed often, so larger trees stay affordable and get timed (the last segment's
+    slope alone priced c(4) at 5.0 here and the fleet never verified more than two nodes again)."""
+    truth = lambda n: 0.030 + 0.003 * n  # noqa: E731
+    costs = StepCosts()
+    rng = random.Random(4)
+    for _ in range(200):
+        n = rng.choice([0, 0, 1])
+        costs.add(1, n, truth(n) * rng.uniform(0.98, 1.02))
+    costs.add(1, 2, 2 * truth(2))
+    assert costs.c(4)[4] < 1.6
+    for _ in range(8):  # timed often enough, a node count's own slope counts again
+        costs.add(1, 2, 2 * truth(2))
+    assert costs.c(4)[4] > 2.5
+
+
 def test_step_costs_prior_before_any_timing():
     costs = StepCosts(prior_node_cost=0.2)
     assert not costs.measured and costs.c(2) == pytest.approx([1.0, 1.2, 1.4])
