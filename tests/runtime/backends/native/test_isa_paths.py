@@ -56,10 +56,11 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("path", FAST_PATHS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("blocks", [5, 28])  # 32-weight formats: a tail group of 5; three groups of 8 and one of 4
+@pytest.mark.parametrize("blocks", [5, 13, 28])  # 32-weight formats: a tail group of 5; one group of 8 and a tail
+# of 5; three groups of 8 and one of 4
 def test_every_path_gives_the_avx2_bits(path, qtype, blocks):
     fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
-    if blocks == 28 and block_of(qtype) == 256:
+    if blocks != 5 and block_of(qtype) == 256:
         pytest.skip("K formats: five blocks cover them")
     k = blocks * block_of(qtype)
     torch.manual_seed(int(qtype))
@@ -67,7 +68,7 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks):
     for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
         w = random_blocks(qtype, n, k, seed=3)
         want = run_qlinear(base, x, w)
-        for m in (1, 2, 7, 8, 9, 17, 32, 33):  # decode, tile tails (TILE 8), several tiles
+        for m in (1, 2, 7, 8, 9, 16, 17, 32, 33):  # decode, tile tails (TILE 8, QUAD_TILE 16), several tiles
             assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m} n={n}"
 
 
