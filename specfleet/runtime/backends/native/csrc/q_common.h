@@ -449,44 +449,52 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
  * (rows n .. n + 3, one pass over all four; out[i] receives row n + i) must give each row the bits FN
  * gives it alone; fewer than four rows left at the end of a range take the paired function, and a
  * one-row call (decode) goes weight row by weight row through FN as the paired function does (four weight
- * rows at once made the 1.5B's decode step 9 % slower on a Zen 5). Activation rows go QUAD_TILE at a time. */
-#define DEFINE_COLUMNS_QUAD(NAME, FN, FN2, FN4, XT)                                               \
-    DEFINE_COLUMNS_PAIRED(NAME##_pair, FN, FN2, XT)                                               \
-    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
-                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
-                     const float *bias, int accumulate) {                                         \
-        int64_t n = n0;                                                                           \
-        if (c1 - c0 > 1) /* one row (decode) reads fastest a row or two at a time */              \
-            for (int64_t m0 = c0; m0 < c1; m0 += QUAD_TILE) {                                      \
-                const int R = (int)(c1 - m0 < QUAD_TILE ? c1 - m0 : QUAD_TILE);                    \
+ * rows at once made the 1.5B's decode step 9 % slower on a Zen 5). Activation rows go QUAD_TILE at a time; a
+ * tile of fewer than QMIN rows goes through the paired function too (for Q6_K, five rows of the 1.5B's
+ * layer ran 1.30-1.34 decode steps in pairs against 1.50 in fours, streaming weights on two threads). */
+#define DEFINE_COLUMNS_QUAD(NAME, FN, FN2, FN4, XT, QMIN)                                          \
+    DEFINE_COLUMNS_PAIRED(NAME##_pair, FN, FN2, XT)                                                \
+    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,        \
+                     const float *bias, int accumulate) {                                          \
+        if (c1 - c0 == 1) { /* one row (decode) reads fastest a row or two at a time */            \
+            NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
+            return;                                                                                \
+        }                                                                                          \
+        for (int64_t m0 = c0; m0 < c1; m0 += QUAD_TILE) {                                          \
+            const int R = (int)(c1 - m0 < QUAD_TILE ? c1 - m0 : QUAD_TILE);                        \
+            int64_t n = n0;                                                                        \
+            if (R >= QMIN) { /* fewer rows than QMIN run faster in pairs (the format's choice) */  \
                 const XT *xs[QUAD_TILE];                                                           \
-                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);             \
-                for (n = n0; n + 3 < n1; n += 4) {                                                \
+                for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);              \
+                for (; n + 3 < n1; n += 4) {                                                       \
                     float o[4][QUAD_TILE];                                                         \
-                    float *const op[4] = {o[0], o[1], o[2], o[3]};                                \
-                    const uint8_t *w0 = W + n * row_bytes;                                        \
-                    switch (R) {                                                                  \
-                    case 1: FN4(w0, row_bytes, nb, xs, 1, op); break;                             \
-                    case 2: FN4(w0, row_bytes, nb, xs, 2, op); break;                             \
-                    case 3: FN4(w0, row_bytes, nb, xs, 3, op); break;                             \
-                    case 4: FN4(w0, row_bytes, nb, xs, 4, op); break;                             \
-                    case 5: FN4(w0, row_bytes, nb, xs, 5, op); break;                             \
-                    case 6: FN4(w0, row_bytes, nb, xs, 6, op); break;                             \
-                    case 7: FN4(w0, row_bytes, nb, xs, 7, op); break;                             \
-                    case 8: FN4(w0, row_bytes, nb, xs, 8, op); break;                             \
+                    float *const op[4] = {o[0], o[1], o[2], o[3]};                                 \
+                    const uint8_t *w0 = W + n * row_bytes;                                         \
+                    switch (R) {                                                                   \
+                    case 1: FN4(w0, row_bytes, nb, xs, 1, op); break;                              \
+                    case 2: FN4(w0, row_bytes, nb, xs, 2, op); break;                              \
+                    case 3: FN4(w0, row_bytes, nb, xs, 3, op); break;                              \
+                    case 4: FN4(w0, row_bytes, nb, xs, 4, op); break;                              \
+                    case 5: FN4(w0, row_bytes, nb, xs, 5, op); break;                              \
+                    case 6: FN4(w0, row_bytes, nb, xs, 6, op); break;                              \
+                    case 7: FN4(w0, row_bytes, nb, xs, 7, op); break;                              \
+                    case 8: FN4(w0, row_bytes, nb, xs, 8, op); break;                              \
                     default: FN4(w0, row_bytes, nb, xs, R, op); break; /* 9 .. QUAD_TILE */        \
-                    }                                                                             \
-                    for (int r = 0; r < R; r++) {                                                 \
-                        float *dst = y + (m0 + r) * ldy + n;                                      \
-                        for (int i = 0; i < 4; i++) {                                             \
-                            float v = o[i][r];                                                    \
-                            if (bias) v += bias[n + i];                                           \
-                            dst[i] = accumulate ? dst[i] + v : v;                                 \
-                        }                                                                         \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-        if (n < n1) NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n, n1, y, ldy, bias, accumulate); \
+                    }                                                                              \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        float *dst = y + (m0 + r) * ldy + n;                                       \
+                        for (int i = 0; i < 4; i++) {                                              \
+                            float v = o[i][r];                                                     \
+                            if (bias) v += bias[n + i];                                            \
+                            dst[i] = accumulate ? dst[i] + v : v;                                  \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            /* the tile's weight rows not taken in fours */                                        \
+            if (n < n1) NAME##_pair(W, row_bytes, nb, a, arb, m0, m0 + R, n, n1, y, ldy, bias, accumulate); \
+        }                                                                                          \
     }
 
 #endif

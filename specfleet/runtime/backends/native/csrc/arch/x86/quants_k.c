@@ -612,12 +612,12 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
 #endif /* SF_VNNI */
 
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_QUAD(cols_q4_k, dot_q4_k, dot2_q4_k, dot4_q4_k, xq256)
+DEFINE_COLUMNS_QUAD(cols_q4_k, dot_q4_k, dot2_q4_k, dot4_q4_k, xq256, 2)
 #else
 DEFINE_COLUMNS(cols_q4_k, dot_q4_k, xq256)
 #endif
 #ifdef SF_VNNI512
-DEFINE_COLUMNS_QUAD(cols_q6_k, dot_q6_k, dot2_q6_k, dot4_q6_k, xq256)
+DEFINE_COLUMNS_QUAD(cols_q6_k, dot_q6_k, dot2_q6_k, dot4_q6_k, xq256, 6)
 #else
 DEFINE_COLUMNS(cols_q6_k, dot_q6_k, xq256)
 #endif
