@@ -450,8 +450,8 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
  * gives it alone; fewer than four rows left at the end of a range take the paired function, and a
  * one-row call (decode) goes weight row by weight row through FN as the paired function does (four weight
  * rows at once made the 1.5B's decode step 9 % slower on a Zen 5). Activation rows go QUAD_TILE at a time; a
- * tile of fewer than QMIN rows goes through the paired function too (for Q6_K, five rows of the 1.5B's
- * layer ran 1.30-1.34 decode steps in pairs against 1.50 in fours, streaming weights on two threads). */
+ * tile of fewer than QMIN rows goes through the paired function too (for Q6_K, 2 and 5 rows of the 1.5B's
+ * layer cost 1.00-1.10 and 1.62-1.72 decode steps of one core in pairs against 1.13-1.24 and 1.68-1.88 in fours). */
 #define DEFINE_COLUMNS_QUAD(NAME, FN, FN2, FN4, XT, QMIN)                                          \
     DEFINE_COLUMNS_PAIRED(NAME##_pair, FN, FN2, XT)                                                \
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \

@@ -44,8 +44,9 @@
  * activation register is loaded once for two row pairs. Per block that halves the work shared by the
  * activation rows, which had made two rows cost as much as three; the 1.5B's 5-row forward fell from
  * 1.42-1.45 to 1.26-1.30 decode steps together with the longer prefetch (x86.h), on a Zen 5. Q6_K takes four
- * rows the same way (dot4_q6_k): with its pairs' rows unrolled and 16-row tiles, a Q6_K product over 2-17
- * activation rows ran 13-25 % faster than in pairs and over 854 prompt rows 12 % faster (Zen 5). */
+ * rows the same way (dot4_q6_k) from six activation rows up: 9 rows of the 1.5B's layer cost 1.92 decode steps
+ * against 2.34-2.60 in pairs, and 854 prompt rows ran 12 % faster (Zen 5); below six rows pairs measured
+ * faster on one core. */
 #include "x86.h"
 
 /* How far ahead stream_ahead prefetches weights (x86.h), for one activation row and for more. One row
@@ -427,52 +428,67 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 #ifdef SF_VNNI512
+/* Two Q6_K blocks (weight rows n and n + 1) side by side in 512-bit registers, as the pair kernels use them:
+ * the sub-block scales per dword for the first and last 16 weights, the scales as int16 for the -32 offset,
+ * d, and the quants in activation order (q6_top's shifts on both rows at once) */
+typedef struct { __m512i s_first, s_last, sc16, q[8]; __m512 dw; } q6k_pair;
+
+ALWAYS_INLINE void q6k_pair_unpack(const b_q6_k *a, const b_q6_k *c, q6k_pair *o) {
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m128i sc0 = _mm_loadu_si128((const __m128i *)a->scales), sc1 = _mm_loadu_si128((const __m128i *)c->scales);
+    o->s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
+    o->s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
+    o->sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+    o->dw = pair_f(_mm256_set1_ps(h2f(a->d)), _mm256_set1_ps(h2f(c->d)));
+    __m512i l[4];
+    for (int i = 0; i < 4; i++)
+        l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(a->ql + 32 * i)), _mm256_loadu_si256((const __m256i *)(c->ql + 32 * i)));
+    for (int g = 0; g < 2; g++) {
+        const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(a->qh + 32 * g)),
+                                 _mm256_loadu_si256((const __m256i *)(c->qh + 32 * g)));
+        const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
+                                _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
+        for (int i = 0; i < 4; i++)
+            o->q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
+    }
+}
+
+/* dot_q6_k's epilogue lane by lane for one activation block and a pair: f, l the int32 totals of the first
+ * and last 16 weights of each sub-block */
+ALWAYS_INLINE __m512 q6k_pair_acc(const q6k_pair *w, __m512i f, __m512i l, const xq256 *xb, __m512 acc) {
+    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(f, w->s_first), _mm512_mullo_epi32(l, w->s_last));
+    const __m512i off = _mm512_madd_epi16(w->sc16, both_i(xb->bsum));
+    const __m512i p = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
+    return _mm512_fmadd_ps(_mm512_mul_ps(w->dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc);
+}
+
 /* Q6_K two weight rows at once (see dot2_q4_k); the epilogue is dot_q6_k's, lane by lane */
 ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t nb, const xq256 *const *x, int R,
                              float *out0, float *out1) {
     __m512 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
-    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
         stream_ahead(&w0[b], sizeof(b_q6_k), R);
         stream_ahead(&w1[b], sizeof(b_q6_k), R);
-        const __m128i sc0 = _mm_loadu_si128((const __m128i *)w0[b].scales), sc1 = _mm_loadu_si128((const __m128i *)w1[b].scales);
-        const __m512i s_first = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
-        const __m512i s_last = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
-        const __m512i sc16 = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
-        const __m512 dw = pair_f(_mm256_set1_ps(h2f(w0[b].d)), _mm256_set1_ps(h2f(w1[b].d)));
-        __m512i q[8], l[4];
-        for (int i = 0; i < 4; i++)
-            l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].ql + 32 * i)),
-                          _mm256_loadu_si256((const __m256i *)(w1[b].ql + 32 * i)));
-        for (int g = 0; g < 2; g++) { /* q6_top's shifts, on both rows at once */
-            const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(w0[b].qh + 32 * g)),
-                                     _mm256_loadu_si256((const __m256i *)(w1[b].qh + 32 * g)));
-            const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
-                                    _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
-            for (int i = 0; i < 4; i++)
-                q[4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
-        }
+        q6k_pair w;
+        q6k_pair_unpack(&w0[b], &w1[b], &w);
         /* unrolled (R is a constant here): as a loop GCC kept the accumulators in memory and the rows'
          * dpbusd chains waited on each other; unrolled, the 1.5B's Q6_K ffn_down over 854 prompt rows ran
          * 1.4x faster in pairs (237 -> 321-343 GMAC/s, two threads, Zen 5), with the same instructions per
-         * row. Pairs now serve the last weight rows of a range that has no four left (dot4_q6_k). */
+         * row. Pairs serve tiles of fewer than six rows and the weight rows left past the last four. */
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
-            __m512i f = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], both_i(xb->q));
-            __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], both_i(xb->q + 128));
+            __m512i f = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[0], both_i(xb->q));
+            __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[4], both_i(xb->q + 128));
             for (int t = 1; t < 4; t++) {
-                f = _mm512_dpbusd_epi32(f, q[t], both_i(xb->q + 32 * t));
-                l = _mm512_dpbusd_epi32(l, q[4 + t], both_i(xb->q + 128 + 32 * t));
+                f = _mm512_dpbusd_epi32(f, w.q[t], both_i(xb->q + 32 * t));
+                l = _mm512_dpbusd_epi32(l, w.q[4 + t], both_i(xb->q + 128 + 32 * t));
             }
-            const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(f, s_first), _mm512_mullo_epi32(l, s_last));
-            const __m512i off = _mm512_madd_epi16(sc16, both_i(xb->bsum));
-            const __m512i p = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(p), acc[r]);
+            acc[r] = q6k_pair_acc(&w, f, l, xb, acc[r]);
         }
     }
     pair_out(acc, R, out0, out1);
@@ -486,51 +502,23 @@ ALWAYS_INLINE void dot4_q6_k(const uint8_t *row0, int64_t row_bytes, int64_t nb,
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     const b_q6_k *w[4];
     for (int i = 0; i < 4; i++) w[i] = (const b_q6_k *)(row0 + i * row_bytes);
-    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-    const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
         for (int i = 0; i < 4; i++) stream_ahead(&w[i][b], sizeof(b_q6_k), R);
-        __m512i s_first[2], s_last[2], sc16[2], q[2][8];
-        __m512 dw[2];
-        for (int p = 0; p < 2; p++) {
-            const b_q6_k *a = &w[2 * p][b], *c = &w[2 * p + 1][b];
-            const __m128i sc0 = _mm_loadu_si128((const __m128i *)a->scales), sc1 = _mm_loadu_si128((const __m128i *)c->scales);
-            s_first[p] = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, even)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, even)));
-            s_last[p] = pair_i(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, odd)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, odd)));
-            sc16[p] = pair_i(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
-            dw[p] = pair_f(_mm256_set1_ps(h2f(a->d)), _mm256_set1_ps(h2f(c->d)));
-            __m512i l[4];
-            for (int i = 0; i < 4; i++)
-                l[i] = pair_i(_mm256_loadu_si256((const __m256i *)(a->ql + 32 * i)), _mm256_loadu_si256((const __m256i *)(c->ql + 32 * i)));
-            for (int g = 0; g < 2; g++) {
-                const __m512i h = pair_i(_mm256_loadu_si256((const __m256i *)(a->qh + 32 * g)),
-                                         _mm256_loadu_si256((const __m256i *)(c->qh + 32 * g)));
-                const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(h, 4), m30), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
-                                        _mm512_and_si512(h, m30), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)};
-                for (int i = 0; i < 4; i++)
-                    q[p][4 * g + i] = _mm512_or_si512(g ? _mm512_and_si512(_mm512_srli_epi16(l[i], 4), m4) : _mm512_and_si512(l[i], m4), top[i]);
-            }
-        }
+        q6k_pair p0, p1;
+        q6k_pair_unpack(&w[0][b], &w[1][b], &p0);
+        q6k_pair_unpack(&w[2][b], &w[3][b], &p1);
         for (int r = 0; r < R; r++) {
             const xq256 *xb = &x[r][b];
-            __m512i f[2], l[2];
-            for (int p = 0; p < 2; p++) f[p] = l[p] = _mm512_setzero_si512();
+            __m512i f0 = _mm512_setzero_si512(), l0 = f0, f1 = f0, l1 = f0;
             for (int t = 0; t < 4; t++) {
                 const __m512i xa = both_i(xb->q + 32 * t), xh = both_i(xb->q + 128 + 32 * t);
-                for (int p = 0; p < 2; p++) {
-                    f[p] = _mm512_dpbusd_epi32(f[p], q[p][t], xa);
-                    l[p] = _mm512_dpbusd_epi32(l[p], q[p][4 + t], xh);
-                }
+                f0 = _mm512_dpbusd_epi32(f0, p0.q[t], xa);
+                l0 = _mm512_dpbusd_epi32(l0, p0.q[4 + t], xh);
+                f1 = _mm512_dpbusd_epi32(f1, p1.q[t], xa);
+                l1 = _mm512_dpbusd_epi32(l1, p1.q[4 + t], xh);
             }
-            const __m512i bs = both_i(xb->bsum);
-            const __m512 dx = _mm512_set1_ps(xb->d);
-            for (int p = 0; p < 2; p++) {
-                const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(f[p], s_first[p]), _mm512_mullo_epi32(l[p], s_last[p]));
-                const __m512i off = _mm512_madd_epi16(sc16[p], bs);
-                const __m512i pp = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
-                acc[p][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[p], dx), _mm512_cvtepi32_ps(pp), acc[p][r]);
-            }
+            acc[0][r] = q6k_pair_acc(&p0, f0, l0, xb, acc[0][r]);
+            acc[1][r] = q6k_pair_acc(&p1, f1, l1, xb, acc[1][r]);
         }
     }
     pair_out(acc[0], R, out[0], out[1]);
