@@ -147,6 +147,14 @@ ALWAYS_INLINE __m256i g32_sum(int type, const __m256i *w, const __m256i *u, cons
 #endif
 }
 
+/* The plain-C group (q_common.h) for the short groups with no register path (nt other than 4: rows whose K is not a
+ * multiple of 128 weights, none of the embedded models' matrices), kept out of line: inlined into every format,
+ * row count and pairing it tripled this file's compile time, and it runs at most once per weight row */
+static __attribute__((noinline)) void g32_group_c(int type, const uint8_t *grp, int nt, const xq32g *const *x, int R,
+                                                  float (*acc)[8]) {
+    sf_g32_group(type, grp, nt, x, R, acc);
+}
+
 /* a row's last, short group (nt = nb % 8 blocks, group index ng) into its accumulators acc[r] */
 ALWAYS_INLINE void g32_tail(int type, const uint8_t *grp, int nt, int64_t ng, const xq32g *const *x, int R, __m256 *acc) {
     const int sh = type == T_Q4_0 ? 3 : 4;
@@ -169,7 +177,7 @@ ALWAYS_INLINE void g32_tail(int type, const uint8_t *grp, int nt, int64_t ng, co
             _mm256_storeu_ps(a[r], acc[r]);
             xg[r] = x[r] + ng;
         }
-        sf_g32_group(type, grp, nt, xg, R, a);
+        g32_group_c(type, grp, nt, xg, R, a);
         for (int r = 0; r < R; r++) acc[r] = _mm256_loadu_ps(a[r]);
     }
 }
