@@ -121,7 +121,7 @@ def read_stream(router: str, system: str | None, user: str, max_tokens: int, eve
     first.set()
 
 
-def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluster):
+def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluster, request):
     urls = [r.url for r in cluster.replicas]
     before = [served(u) for u in urls]
     chat(cluster.url, SHARED, "warm up")
@@ -157,6 +157,19 @@ def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluste
         t.start()
     assert doomed_first.wait(60) and safe_first.wait(60), "both streams should have started"
     old_pid = cluster.replicas[victim].proc.pid
+    # hold the supervisor's restart until the requests below have run, so that they meet a dead replica however
+    # long the retried non-streamed request takes (in one CI run the victim was back before them, and the
+    # cache-aware router rightly sent them to it)
+    restart_gate = threading.Event()
+    victim_replica = cluster.replicas[victim]
+    real_start = victim_replica.start
+
+    def gated_start() -> None:
+        restart_gate.wait(300)
+        real_start()
+
+    victim_replica.start = gated_start
+    request.addfinalizer(restart_gate.set)  # a failure below must not leave the supervisor waiting
     os.kill(old_pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -189,6 +202,8 @@ def test_killed_replica_errors_its_stream_others_untouched_and_it_rejoins(cluste
     for i in range(3):
         chat(cluster.url, SHARED, f"after the failure {i}")
     assert served(urls[other]) - b >= 3
+    victim_replica.start = real_start
+    restart_gate.set()
 
     # the supervisor restarts the killed replica on its port and the router re-admits it
     deadline = time.monotonic() + 180
