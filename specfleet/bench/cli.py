@@ -69,6 +69,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                               "pool the rounds (cancels drift of a shared machine; default 1)")
     p.add_argument("--rowcheck-prompts", type=int, help="after the timed waves, replay every row of this many "
                    "prompts per specfleet system as plain decode steps and report rows that differ (untimed)")
+    p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=None,
+                   help="send each prompt right after the request before it in its loop (code-edit: the same file "
+                        "under another edit; sharegpt-multiturn: the earlier turn; tool-loop: the call before), "
+                        "untimed, so every system's prefix cache holds their shared context; batch size 1")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>-<device>-<stamp>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -87,7 +91,7 @@ def _presets_help(presets) -> str:
 
 _OVERRIDES = ("model", "dataset", "num_prompts", "shuffle_seed", "max_prompt_tokens", "chat", "batch_sizes",
               "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "dtype", "device", "spec_len",
-              "kv_cache_mb", "baseline", "quantization", "rounds", "rowcheck_prompts")
+              "kv_cache_mb", "baseline", "quantization", "rounds", "rowcheck_prompts", "loop")
 
 
 def build_preset(args):

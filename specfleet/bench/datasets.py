@@ -37,7 +37,7 @@ import re
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -54,6 +54,9 @@ class Prompt:
     text: str  # raw prompt; for chat data, the last user message
     messages: Messages = ()  # the conversation to template; empty for raw-completion data
     tools: str = ""  # the tools offered, as JSON text (OpenAI's [{"type": "function", "function": ...}]); "" for none
+    # the request before this one in its loop, as its messages (same tools): the earlier turn of the chat, the
+    # call before in the tool loop, an earlier edit of the same file; () where the data has none
+    previous: Messages = ()
 
     def as_messages(self) -> list[dict]:
         turns = self.messages or (("user", self.text),)
@@ -64,6 +67,12 @@ class Prompt:
                 message["tool_calls"] = [{"type": "function", "function": c} for c in json.loads(calls[0])]
             out.append(message)
         return out
+
+    def previous_prompt(self) -> "Prompt | None":
+        """The request before this one in its loop as a Prompt of its own (same tools), None without one."""
+        if not self.previous:
+            return None
+        return Prompt(f"{self.prompt_id}:previous", self.previous[-1][1], self.previous, self.tools)
 
     def tool_list(self) -> list[dict] | None:
         return json.loads(self.tools) if self.tools else None
@@ -176,7 +185,7 @@ def read_sharegpt_multiturn(path: Path, max_context_chars: int = 6000) -> Iterat
             continue
         context = tuple(("user" if r == "human" else "assistant", t) for r, t in zip(roles[:2 * pick + 1],
                                                                                     texts[:2 * pick + 1]))
-        yield Prompt(f"{record.get('id', '')}:t{pick + 1}", texts[2 * pick], context)
+        yield Prompt(f"{record.get('id', '')}:t{pick + 1}", texts[2 * pick], context, previous=context[:-2])
 
 
 # -- tool-call loops (BFCL) --------------------------------------------------------------------------
@@ -262,7 +271,8 @@ def read_bfcl_tool_loops(path: Path) -> Iterator[Prompt]:
             for call, (name, arguments, result) in zip(calls[:-1], results):
                 messages.append(("assistant", "", json.dumps([{"name": name, "arguments": arguments}])))
                 messages.append(("tool", result))
-            yield Prompt(f"{entry['id']}:call{len(calls)}", user, tuple(messages), json.dumps(tools))
+            yield Prompt(f"{entry['id']}:call{len(calls)}", user, tuple(messages), json.dumps(tools),
+                         previous=tuple(messages[:-2]))
 
 
 def run_bfcl_calls(calls: list[str], classes: list[str], initial_config: dict) -> list[tuple[str, dict, str]]:
@@ -352,7 +362,15 @@ def rename_target(source: str) -> tuple[str, str] | None:
 
 
 def code_edit_prompt(path: Path, task: str) -> Prompt:
-    """The edit as an editor plug-in sends it: the whole file in a fenced block, then the instruction."""
+    """The edit as an editor plug-in sends it: the whole file in a fenced block, then the instruction. Its
+    `previous` is an earlier edit asked of the same file (type hints; for type hints, docstrings): the same
+    file in front of another instruction, as an editor's next request on an open file shares its text."""
+    prompt = _code_edit(path, task)
+    earlier = _code_edit(path, "docstrings" if task == "type-hints" else "type-hints")
+    return replace(prompt, previous=earlier.messages)
+
+
+def _code_edit(path: Path, task: str) -> Prompt:
     source = path.read_text(encoding="utf-8")
     if task == "rename":
         target = rename_target(source)

@@ -60,15 +60,17 @@ def available(spec: SystemSpec | None = None) -> bool:
     return native_server() is not None or importlib.util.find_spec("llama_cpp") is not None
 
 
-def make_system(spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...]):
-    """The llama.cpp system for a run: the native server where there is one, else the binding."""
+def make_system(spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...], cache_prompt: bool = False):
+    """The llama.cpp system for a run: the native server where there is one, else the binding. `cache_prompt`
+    keeps the last request's KV so that the next one reuses the prefix they share (a loop part); off, every
+    prompt is evaluated from an empty cache."""
     server = native_server()
     if server is not None:
-        return LlamaServerSystem(spec, model, server, eos_token_ids=eos_token_ids)
+        return LlamaServerSystem(spec, model, server, eos_token_ids=eos_token_ids, cache_prompt=cache_prompt)
     if spec.draft or spec.options:
         raise SpecfleetError(f"system {spec.label!r}: llama.cpp's speculation is measured through a native "
                              "llama-server only; set LLAMA_SERVER to one")
-    return LlamaCppSystem(spec, model, eos_token_ids=eos_token_ids)
+    return LlamaCppSystem(spec, model, eos_token_ids=eos_token_ids, cache_prompt=cache_prompt)
 
 
 def spec_args(spec: SystemSpec) -> list[str]:
@@ -120,12 +122,13 @@ class _Greedy:
 
 class LlamaCppSystem(_Greedy):
     def __init__(self, spec: SystemSpec, model: str, *, eos_token_ids: tuple[int, ...], n_ctx: int = 4096,
-                 threads: int | None = None):
+                 threads: int | None = None, cache_prompt: bool = False):
         from specfleet.extras import require
 
         llama_cpp = require("llama_cpp", "llamacpp", "the llama.cpp benchmark system")
         self.label = spec.label  # (one sequence at a time: the binding's high-level API decodes one)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.cache_prompt = cache_prompt
         self.threads = threads or torch.get_num_threads()
         self.path = gguf_path(model)
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_threads=self.threads, n_threads_batch=self.threads,
@@ -135,7 +138,12 @@ class LlamaCppSystem(_Greedy):
 
     def _one(self, prompt_ids: list[int], settings: Settings) -> Generation:
         out: list[int] = []
-        self.llm.reset()
+        cached = 0
+        if self.cache_prompt:  # the binding's generate() keeps the longest prefix its context shares with the prompt
+            cached = next((i for i, (a, b) in enumerate(zip(self.llm.eval_tokens, prompt_ids[:-1])) if a != b),
+                          min(len(self.llm.eval_tokens), len(prompt_ids) - 1))
+        else:
+            self.llm.reset()
         t0 = time.perf_counter()
         ttft = None
         for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
@@ -145,7 +153,8 @@ class LlamaCppSystem(_Greedy):
             out.append(int(tok))
             if len(out) >= settings.max_tokens or (not settings.ignore_eos and tok in self.eos_token_ids):
                 break
-        return Generation(out, time.perf_counter() - t0, ttft, spec={"steps": len(out), "drafted": 0, "accepted": 0})
+        return Generation(out, time.perf_counter() - t0, ttft,
+                          spec={"steps": len(out), "drafted": 0, "accepted": 0, "cached_tokens": cached})
 
     def prefill_seconds(self, prompt_ids: list[int]) -> float:
         """Seconds to evaluate `prompt_ids` from an empty cache (no sampling)."""
@@ -165,12 +174,13 @@ class LlamaServerSystem(_Greedy):
     reaches it), driven over HTTP on its `/completion` endpoint with token-id prompts, greedy, streamed."""
 
     def __init__(self, spec: SystemSpec, model: str, binary: str, *, eos_token_ids: tuple[int, ...],
-                 n_ctx: int = 4096, startup_s: float = 600.0):
+                 n_ctx: int = 4096, startup_s: float = 600.0, cache_prompt: bool = False):
         import httpx
 
         self._httpx = httpx
         self.label = spec.label
         self.eos_token_ids = tuple(eos_token_ids)
+        self.cache_prompt = cache_prompt
         self.path = gguf_path(model)
         extra = shlex.split(os.environ.get("LLAMA_SERVER_ARGS", ""))
         speculation = spec_args(spec)
@@ -195,9 +205,10 @@ class LlamaServerSystem(_Greedy):
         self._log.seek(0)
         return self._log.read().decode(errors="replace")[-2000:]
 
-    def _body(self, prompt_ids: list[int], n_predict: int, ignore_eos: bool, stream: bool) -> dict:
+    def _body(self, prompt_ids: list[int], n_predict: int, ignore_eos: bool, stream: bool,
+              cache_prompt: bool = False) -> dict:
         return {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
-                "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "ignore_eos": ignore_eos,
+                "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": cache_prompt, "ignore_eos": ignore_eos,
                 "stream": stream, "return_tokens": True}
 
     def _one(self, prompt_ids: list[int], settings: Settings) -> Generation:
@@ -205,7 +216,7 @@ class LlamaServerSystem(_Greedy):
         t0 = time.perf_counter()
         ttft = None
         timings: dict = {}
-        body = self._body(prompt_ids, settings.max_tokens, settings.ignore_eos, True)
+        body = self._body(prompt_ids, settings.max_tokens, settings.ignore_eos, True, self.cache_prompt)
         with self._httpx.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
             if r.status_code != 200:
                 raise SpecfleetError(f"llama-server answered {r.status_code}: {r.read().decode(errors='replace')[:500]}")
@@ -221,7 +232,10 @@ class LlamaServerSystem(_Greedy):
                     timings = chunk.get("timings") or {}
                     break
         out = out[:settings.max_tokens]
-        return Generation(out, time.perf_counter() - t0, ttft, spec=server_spec_counts(len(out), timings))
+        spec = server_spec_counts(len(out), timings)
+        if "cache_n" in timings:
+            spec["cached_tokens"] = int(timings["cache_n"])  # prompt tokens the server reused from its cache
+        return Generation(out, time.perf_counter() - t0, ttft, spec=spec)
 
     def prefill_seconds(self, prompt_ids: list[int]) -> float:
         """Seconds the server reports for evaluating `prompt_ids` from an empty cache (its own prompt timing)."""

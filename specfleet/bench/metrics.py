@@ -42,6 +42,7 @@ class RequestRecord:
     accepted_at_depth: list[int] | None = None  # [k] = steps whose accepted path reached depth k+1
     matches_baseline: bool | None = None  # output ids equal the baseline system's for this prompt
     strategy_overhead_s: float | None = None  # voting, weight updates, fitting, matching (its wave's share)
+    cached_tokens: int | None = None  # prompt tokens the system's prefix cache served (None: it cannot tell)
 
     @property
     def tok_s(self) -> float:
@@ -107,11 +108,19 @@ def summarize(requests: list[RequestRecord], waves: list[WaveRecord]) -> dict:
         "normalized_latency_ms_p90": percentile(norm, 90) if norm else None,
         "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
         "ttft_ms_p90": percentile(ttft, 90) if ttft else None,
+        "cached_prompt_share": _cached_share(requests),
     }
     out.update(spec_summary(requests))
     matches = [r.matches_baseline for r in requests if r.matches_baseline is not None]
     out["baseline_match_rate"] = sum(matches) / len(matches) if matches else None
     return out
+
+
+def _cached_share(requests: list[RequestRecord]) -> float | None:
+    """Prompt tokens served by the prefix cache over all prompt tokens, for the requests that report it."""
+    known = [r for r in requests if r.cached_tokens is not None]
+    total = sum(r.prompt_tokens for r in known)
+    return sum(r.cached_tokens for r in known) / total if total else None
 
 
 def spec_summary(requests: list[RequestRecord]) -> dict:

@@ -49,6 +49,11 @@ class RunConfig:
     # build every system afresh for each batch size (its own warm-up), so a draft that remembers past outputs
     # (suffix decoding's shared trie) or a prefix cache cannot replay the earlier batch size's run of the same prompts
     fresh_per_batch: bool = False
+    # an editor's or agent's loop: before each timed prompt (batch 1) its predecessor in the loop (the dataset's
+    # Prompt.previous) goes to the same system untimed, for one new token, so the context the two share sits in the
+    # system's prefix cache as it does on a server that served the earlier turn (specfleet's prefix cache,
+    # llama-server's cache_prompt); the timed request is then what the loop's next turn costs
+    loop: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,15 +260,23 @@ WORKLOADS = {
 }
 
 
+# the same prompts as loops meet them (RunConfig.loop): each right after the request before it in its editor session,
+# chat or agent loop (the same file under another edit, the earlier turn, the call before), so that the context
+# they share sits in every system's prefix cache, as on a server that served the earlier request
+WARM = "-warm"
+LOOP_WORKLOADS = ("code-edit", "chat", "tool-loop")
+
+
 def _workload_part(name: str) -> RunConfig:
-    dataset, num, max_prompt, max_tokens, seed, _ = WORKLOADS[name]
+    base = name.removesuffix(WARM)
+    dataset, num, max_prompt, max_tokens, seed, _ = WORKLOADS[base]
     return RunConfig(name=name, systems=_WORKLOAD_SYSTEMS, dataset=dataset, num_prompts=num, shuffle_seed=seed,
                      max_prompt_tokens=max_prompt, max_tokens=max_tokens, batch_sizes=(1,), quantization="gguf",
-                     rounds=2)
+                     rounds=2, loop=name.endswith(WARM))
 
 
 def _workload_checks(name: str) -> tuple[Check, ...]:
-    floor = WORKLOADS[name][-1]
+    floor = WORKLOADS[name.removesuffix(WARM)][-1]
     fleet, plain = (f"specfleet:{FLEET}", 1), ("specfleet:none", 1)
     label = f">= {floor}x specfleet plain decoding" if floor else "vs specfleet plain decoding (reported)"
     return (Check(f"{name}: default speculation {label}", name, fleet, plain,
@@ -274,6 +287,8 @@ def _workload_checks(name: str) -> tuple[Check, ...]:
                   "throughput_tok_s", 1.5),
             Check(f"{name}: default speculation >= 1.5x llama-server draft-simple (0.5B)", name, fleet,
                   (LLAMA_DRAFT, 1), "throughput_tok_s", 1.5))
+
+_WORKLOAD_PARTS = (*WORKLOADS, *(n + WARM for n in LOOP_WORKLOADS))
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", "smoke test: SmolLM2-135M, 2 HumanEval prompts, 8 tokens, fp32",
@@ -390,9 +405,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "earlier ones as context, 128 tokens), tool-call loops (BFCL multi-turn: calls and their results from "
            "BFCL's simulated APIs, then the next call, 64 tokens) and HumanEval fresh code (128 tokens); 4 prompts "
            "each, 1.5B GGUF, greedy, batch 1: specfleet plain and its default speculation beside llama-server's "
-           "ngram-mod and draft-simple (0.5B) speculation, two rounds in alternating order",
-           tuple(_workload_part(n) for n in WORKLOADS), tuple(c for n in WORKLOADS for c in _workload_checks(n)),
-           expected_duration="about 8-10 minutes a part on 2 CPU cores (--parts code-edit for one)"),
+           "ngram-mod and draft-simple (0.5B) speculation, two rounds in alternating order; the -warm parts send "
+           "each prompt of code edits, chat and tool loops right after the request before it in its loop (the same "
+           "file under another edit, the earlier turn, the call before), so every system's prefix cache holds the "
+           "context they share",
+           tuple(_workload_part(n) for n in _WORKLOAD_PARTS),
+           tuple(c for n in _WORKLOAD_PARTS for c in _workload_checks(n)),
+           expected_duration="about 8-25 minutes a part on 2 CPU cores (--parts code-edit for one)"),
     Preset("gpu", "GPU: full HumanEval (164), 256 ShareGPT and 256 chitchat prompts, batch sizes 1-32, bf16",
            (RunConfig(name="humaneval", systems=_ALL, num_prompts=164, max_tokens=128, device="cuda",
                       batch_sizes=(1, 2, 4, 8, 16, 32), kv_cache_mb=8192),

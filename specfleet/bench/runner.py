@@ -90,6 +90,12 @@ def validate(preset: Preset) -> None:
         if cfg.temperature != 0 and any(s.kind == "llamacpp" for s in specs):
             raise SpecfleetError(f"part {cfg.name}: the llama.cpp system is measured greedy only, and this part "
                                  f"samples at temperature {cfg.temperature}: leave llamacpp out of its systems")
+        if cfg.loop and tuple(cfg.batch_sizes) != (1,):
+            raise SpecfleetError(f"part {cfg.name}: a loop part sends each prompt after its predecessor, one at a "
+                                 f"time: its batch sizes must be (1,), got {cfg.batch_sizes}")
+        if cfg.loop and any(s.kind in ("hf", "hf-assisted") for s in specs):
+            raise SpecfleetError(f"part {cfg.name}: transformers keeps no prefix cache between requests, so a loop "
+                                 f"part cannot run the hf systems")
         parse_dtype(cfg.dtype)
         parse_device(cfg.device)
 
@@ -142,6 +148,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
     target, tokenizer = pool.get(_ours_key(cfg, first), lambda: load_model(cfg.model, dtype, device,
                                                                            quantization=first))
     prompts, prompt_ids, is_chat = _prompts(cfg, tokenizer, target.config.max_position_embeddings)
+    previous_ids = _previous_ids(cfg, prompts, tokenizer, is_chat) if cfg.loop else None
     if device.type not in bandwidths:
         bandwidths[device.type] = measure_bandwidth(device)
     weight_bytes = weight_bytes_per_step(target)
@@ -165,7 +172,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             continue
         # one system for all batch sizes, or (fresh_per_batch) one per batch size
         for sizes in ([(b,) for b in cfg.batch_sizes] if cfg.fresh_per_batch else [tuple(cfg.batch_sizes)]):
-            system = _build(spec, cfg, pool, eos, pad)
+            system = _build(spec, cfg, pool, eos, pad, keep_prefix=cfg.loop)
             system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                                 "settings": system.notes})
             bar.set_postfix_str(f"{spec.label}: warm-up")
@@ -177,7 +184,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             if cfg.micro and sizes[0] == cfg.batch_sizes[0]:  # prefill, c(k), memory: once per system and round
                 system_info[spec.label].setdefault("micro", []).append(gguf_micro.measure(system, prompt_ids))
             for b in sizes:
-                timed.run(system, b, prompts, prompt_ids, settings, bar)
+                timed.run(system, b, prompts, prompt_ids, settings, bar, previous_ids)
             if cfg.rowcheck_prompts and spec.kind == "specfleet" and sizes[-1] == cfg.batch_sizes[-1]:
                 bar.set_postfix_str(f"{spec.label}: per-row check")
                 timed.rowcheck(system, prompt_ids[:cfg.rowcheck_prompts], settings)
@@ -222,8 +229,10 @@ class _Timings:
         _, report = check_engine_run(system.llm.engine, prompt_ids, params)
         self.rows.setdefault(system.label, RowReport()).merge(report)
 
-    def run(self, system, b: int, prompts: list, prompt_ids: list[list[int]], settings: Settings, bar) -> None:
-        """Time `system` over all prompts in waves of `b`."""
+    def run(self, system, b: int, prompts: list, prompt_ids: list[list[int]], settings: Settings, bar,
+            previous_ids: list[list[int]] | None = None) -> None:
+        """Time `system` over all prompts in waves of `b`; with `previous_ids` (a loop part, b = 1), each prompt
+        right after its predecessor, sent untimed for one token."""
         if system.max_batch_size is not None and b > system.max_batch_size:
             self.skipped.append({"system": system.label, "batch_size": b,
                                  "reason": f"runs batch size {system.max_batch_size} at most"})
@@ -232,6 +241,8 @@ class _Timings:
         bar.set_postfix_str(f"{system.label} batch {b}")
         for start in range(0, len(prompt_ids), b):
             wave = prompt_ids[start:start + b]
+            if previous_ids is not None:
+                system.generate([previous_ids[start]], replace(settings, max_tokens=1, ignore_eos=True))
             t0 = time.perf_counter()
             gens = system.generate(wave, settings)
             wall = time.perf_counter() - t0
@@ -291,6 +302,18 @@ def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
     return prompts, [encoded[p.prompt_id] for p in prompts], is_chat
 
 
+def _previous_ids(cfg: RunConfig, prompts: list, tokenizer, is_chat: bool) -> list[list[int]]:
+    """The token ids of each prompt's predecessor in its loop (a loop part); an error where the data has none."""
+    out = []
+    for p in prompts:
+        previous = p.previous_prompt()
+        if previous is None:
+            raise SpecfleetError(f"part {cfg.name}: prompt {p.prompt_id} of {cfg.dataset} has no earlier request in "
+                                 f"a loop, so it cannot run as a loop part")
+        out.append(encode_prompt(previous, tokenizer, is_chat))
+    return out
+
+
 def warmup_ids(ids: list[int]) -> list[int]:
     """The warm-up prompt: the first prompt's ids in reverse, as long as it but sharing no prefix with it, so a
     system with a prefix cache (specfleet's is on by default) or a drafter that remembers past outputs (suffix
@@ -318,12 +341,15 @@ def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num
     bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
 
 
-def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int):
+def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int,
+           keep_prefix: bool = False):
+    """A system for the part; `keep_prefix` (a loop part) lets llama-server reuse its cached prompt, as
+    specfleet's prefix cache always does."""
     from specfleet.llm import load_model
 
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
     if spec.kind == "llamacpp":
-        return llamacpp.make_system(spec, cfg.model, eos_token_ids=eos)
+        return llamacpp.make_system(spec, cfg.model, eos_token_ids=eos, cache_prompt=keep_prefix)
     if spec.kind == "specfleet":
         quant = _quantization(spec, cfg)
         target, tokenizer = pool.get(_ours_key(cfg, quant), lambda: load_model(cfg.model, dtype, device,
@@ -346,7 +372,7 @@ def _record(label: str, batch_size: int, prompt_id: str, prompt_tokens: int, g) 
     return metrics.RequestRecord(label, batch_size, prompt_id, prompt_tokens, len(g.output_ids), g.latency_s,
                                  g.ttft_s, s.get("steps"), s.get("drafted"), s.get("accepted"),
                                  s.get("draft_time_s"), s.get("verify_time_s"), s.get("accepted_at_depth"),
-                                 strategy_overhead_s=s.get("strategy_overhead_s"))
+                                 strategy_overhead_s=s.get("strategy_overhead_s"), cached_tokens=s.get("cached_tokens"))
 
 
 def evaluate_checks(preset: Preset, parts: list[dict]) -> list[dict]:

@@ -144,7 +144,7 @@ def test_bench_rounds_alternate_the_order_and_pool_every_round(tiny_pair, tmp_pa
     prompts.write_text("hello there\nhow are you today?\n")
     built = []
     real_build = runner._build
-    monkeypatch.setattr(runner, "_build", lambda spec, *a: built.append(spec.label) or real_build(spec, *a))
+    monkeypatch.setattr(runner, "_build", lambda spec, *a, **k: built.append(spec.label) or real_build(spec, *a, **k))
     out = tmp_path / "out"
     spec = f"specfleet:{draft},k=3"
     rc = bench_main(["--model", str(target), "--dataset", f"file:{prompts}", "--num-prompts", "2",
@@ -174,7 +174,7 @@ def test_fresh_per_batch_builds_each_system_once_per_batch_size(tiny_pair, tmp_p
     prompts.write_text("hello there\nhow are you today?\n")
     built = []
     real_build = runner._build
-    monkeypatch.setattr(runner, "_build", lambda spec, *a: built.append(spec.label) or real_build(spec, *a))
+    monkeypatch.setattr(runner, "_build", lambda spec, *a, **k: built.append(spec.label) or real_build(spec, *a, **k))
     fleet = "specfleet:fleet(suffix,prompt-lookup)"
     cfg = RunConfig(name="p", model=str(target), systems=("ar", fleet), dataset=f"file:{prompts}", num_prompts=2,
                     batch_sizes=(1, 2), max_tokens=5, dtype="float32", ignore_eos=True, fresh_per_batch=True)
@@ -184,6 +184,46 @@ def test_fresh_per_batch_builds_each_system_once_per_batch_size(tiny_pair, tmp_p
     assert [s["batch_sizes"] for s in state] == [[1], [2]]
     rows = {(s["system"], s["batch_size"]): s for s in part["summaries"]}
     assert rows[(fleet, 1)]["baseline_match_rate"] == rows[(fleet, 2)]["baseline_match_rate"] == 1.0
+
+
+def test_a_loop_part_sends_each_prompt_after_its_predecessor_so_the_prefix_cache_serves_it(tiny_pair, monkeypatch):
+    """RunConfig.loop: the request before each prompt in its loop goes first (untimed, one token), so the timed
+    request finds the context they share in the prefix cache; the same part cold finds none (the control)."""
+    import specfleet.bench.runner as runner
+    from specfleet.bench.datasets import Prompt
+    from specfleet.bench.presets import Preset, RunConfig
+
+    target, _ = tiny_pair
+    turns = [[("user", f"{i}: tell me about the sea and the ships that sail on it " * 3),
+              ("assistant", "the sea is wide and the ships are many, and each one has a name " * 2)] for i in range(2)]
+    chats = [Prompt(f"c{i}", f"and what about port {i}?", (*turns[i], ("user", f"and what about port {i}?")),
+                    previous=tuple(turns[i][:1])) for i in range(2)]
+    monkeypatch.setattr(runner.datasets, "iter_prompts", lambda name: (iter(chats), True))
+    sent = []
+    real_run = runner._Timings.run
+    monkeypatch.setattr(runner._Timings, "run", lambda self, system, b, prompts, ids, settings, bar, prev=None:
+                        sent.append(prev) or real_run(self, system, b, prompts, ids, settings, bar, prev))
+    shares = {}
+    for loop in (True, False):
+        cfg = RunConfig(name="p", model=str(target), systems=("ar", "specfleet:prompt-lookup"), dataset="chats",
+                        num_prompts=2, max_tokens=6, dtype="float32", ignore_eos=True, loop=loop)
+        part = runner.run_preset(Preset("t", "", (cfg,)), progress=False)["parts"][0]
+        shares[loop] = {s["system"]: s["cached_prompt_share"] for s in part["summaries"]}
+        assert part["summaries"][1]["baseline_match_rate"] == 1.0
+    # byte-level tokens: the first user turn (and the template around it) is about 60 % of each prompt, and the
+    # prefix cache serves it whole 16-token blocks at a time
+    assert all(0.45 < v < 0.8 for v in shares[True].values()), shares
+    assert all(v == 0 for v in shares[False].values()), shares
+    assert sent[0] is not None and sent[-1] is None and len(sent[0]) == 2
+    with pytest.raises(Exception, match="batch sizes must be"):
+        runner.validate(Preset("t", "", (RunConfig(name="p", systems=("ar",), loop=True, batch_sizes=(1, 2)),)))
+    with pytest.raises(Exception, match="transformers keeps no prefix cache"):
+        runner.validate(Preset("t", "", (RunConfig(name="p", systems=("ar", "hf"), loop=True),)))
+    plain = [Prompt("x", "hi", (("user", "hi"),))]
+    monkeypatch.setattr(runner.datasets, "iter_prompts", lambda name: (iter(plain), True))
+    with pytest.raises(Exception, match="has no earlier request"):
+        runner.run_preset(Preset("t", "", (RunConfig(name="p", model=str(target), systems=("ar",), dataset="chats",
+                                                     num_prompts=1, loop=True, dtype="float32"),)), progress=False)
 
 
 def test_bench_cli_errors(tiny_pair, tmp_path, capsys):

@@ -30,7 +30,11 @@ FAKE = textwrap.dedent('''
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert body["temperature"] == 0 and body["top_k"] == 1 and body["return_tokens"] and not body["cache_prompt"]
+            assert body["temperature"] == 0 and body["top_k"] == 1 and body["return_tokens"]
+            # the stand-in keeps the last prompt; with cache_prompt the next one reuses the prefix they share
+            last, self.server.last = getattr(self.server, "last", []), body["prompt"] if body["cache_prompt"] else []
+            cache_n = next((i for i, (a, b) in enumerate(zip(last, body["prompt"])) if a != b),
+                           min(len(last), len(body["prompt"]))) if body["cache_prompt"] else 0
             toks = [body["prompt"][-1] + 1 + i for i in range(body["n_predict"])]
             if not body["ignore_eos"] and 7 in toks:
                 toks = toks[:toks.index(7) + 1]
@@ -42,8 +46,10 @@ FAKE = textwrap.dedent('''
             for i, t in enumerate(toks):
                 last = i == len(toks) - 1
                 chunk = {"tokens": [t], "stop": last}
+                if last:
+                    chunk["timings"] = {"cache_n": cache_n}
                 if last and "--spec-type" in args:  # a speculating server counts its drafts in its timings
-                    chunk["timings"] = {"draft_n": 2 * len(toks), "draft_n_accepted": len(toks) // 2}
+                    chunk["timings"].update({"draft_n": 2 * len(toks), "draft_n_accepted": len(toks) // 2})
                 self.wfile.write(("data: " + json.dumps(chunk) + "\\n\\n").encode())
                 self.wfile.flush()
 
@@ -77,6 +83,9 @@ def test_the_native_server_runs_in_its_own_process_greedy_with_its_own_threading
         assert system.notes["args"] == ["--no-repack"] and "native" in system.notes["runs"]
         gen = system.generate([[1, 2, 3]], Settings(max_tokens=5, ignore_eos=True))[0]
         assert gen.output_ids == [4, 5, 6, 7, 8] and gen.ttft_s is not None and gen.latency_s >= gen.ttft_s
+        assert gen.spec["cached_tokens"] == 0
+        again = system.generate([[1, 2, 3, 4]], Settings(max_tokens=2, ignore_eos=True))[0]
+        assert again.spec["cached_tokens"] == 0  # cold: every prompt from an empty cache (cache_prompt false)
         stopped = system.generate([[1, 2, 3]], Settings(max_tokens=5, ignore_eos=False))[0]
         assert stopped.output_ids == [4, 5, 6, 7]  # the eos token ends it
         assert system.prefill_seconds([1, 2, 3]) == pytest.approx(0.0125)
@@ -109,6 +118,20 @@ def test_the_server_speculates_with_the_spec_type_and_draft_it_is_given(fake_ser
         assert system.notes["speculation"] == ["--spec-type", "draft-simple", "-md", str(gguf)]
         gen = system.generate([[1, 2, 3]], Settings(max_tokens=9, ignore_eos=True))[0]
         # the stand-in drafted 18 and accepted 4 of 9 tokens: 1 from the prefill, 4 steps made the other 8
-        assert gen.output_ids == list(range(4, 13)) and gen.spec == {"steps": 4, "drafted": 18, "accepted": 4}
+        assert gen.output_ids == list(range(4, 13))
+        assert gen.spec == {"steps": 4, "drafted": 18, "accepted": 4, "cached_tokens": 0}
+    finally:
+        system.close()
+
+
+def test_a_loop_part_lets_the_server_reuse_the_prompt_it_cached(fake_server):
+    gguf, _ = fake_server
+    system = llamacpp.make_system(SystemSpec("llamacpp", "llamacpp"), str(gguf), eos_token_ids=(7,),
+                                  cache_prompt=True)
+    try:
+        system.generate([[1, 2, 3]], Settings(max_tokens=1, ignore_eos=True))
+        gen = system.generate([[1, 2, 3, 9, 9]], Settings(max_tokens=2, ignore_eos=True))[0]
+        assert gen.spec["cached_tokens"] == 3 and gen.output_ids == [10, 11]
+        assert system.prefill_seconds([1, 2, 3]) == pytest.approx(0.0125)  # the prefill figure stays cold
     finally:
         system.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ def test_code_edits_hold_the_whole_real_file_and_are_deterministic():
         assert source.rstrip() in prompt.text  # the whole file, as it is on disk
         assert prompt.as_messages() == [{"role": "user", "content": prompt.text}]
         assert prompt.text.startswith(path.name + "\n```python\n") and "Reply with the whole edited file" in prompt.text
+        # the request before it in an editor session: the same file under another of the edits
+        earlier = prompt.previous_prompt()
+        assert earlier.prompt_id == prompt.prompt_id + ":previous" and earlier.text != prompt.text
+        cut = prompt.text.index(source.rstrip()) + len(source.rstrip())
+        assert earlier.text[:cut] == prompt.text[:cut] and earlier.messages == (("user", earlier.text),)
+        assert earlier.text.endswith("Reply with the whole edited file in one code block and nothing else.")
 
 
 def test_rename_names_a_symbol_the_file_defines_and_uses():
@@ -76,6 +83,10 @@ def test_sharegpt_multiturn_rules(tmp_path):
     assert [p.prompt_id for p in got] == ["two:t3"]
     assert got[0].messages == (("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"), ("user", "e"))
     assert got[0].text == "e"
+    assert got[0].previous == got[0].messages[:3]  # the turn before: the conversation up to "c"
+    assert got[0].previous_prompt().as_messages() == [{"role": "user", "content": "a"},
+                                                      {"role": "assistant", "content": "b"},
+                                                      {"role": "user", "content": "c"}]
     assert [p.prompt_id for p in datasets.read_sharegpt_multiturn(path, max_context_chars=3)] == ["two:t2"]
 
 
@@ -97,6 +108,7 @@ def test_real_sharegpt_multiturn_is_the_conversation_as_written():
         assert [c for _, c in p.messages] == [t["value"] for t in turns[:n]]  # verbatim, in order
         assert [r for r, _ in p.messages] == ["user", "assistant"] * (n // 2) + ["user"]
         assert turns[n]["from"] == "gpt"  # the model answered this turn in the data
+        assert p.previous == p.messages[:-2] and p.previous[-1][0] == "user"
 
 
 # -- tool-call loops (BFCL) ------------------------------------------------------------------------------
@@ -131,6 +143,8 @@ def test_real_tool_loops_are_call_result_next_call():
             assert {k: made["arguments"][k] for k in kwargs} == kwargs  # the call's own arguments, by name
             assert list(made["arguments"].values())[:len(args)] == args and len(made["arguments"]) == len(args) + len(kwargs)
         assert datasets.parse_call(truth[-1])[0] in offered  # the call the model is to make is on offer
+        # the request before it in the loop asked for the call before, with the same tools on offer
+        assert p.previous == p.messages[:-2] and p.previous_prompt().tools == p.tools
         assert all(t["function"]["parameters"].get("type") == "object" for t in p.tool_list())
     first = next(p for p in loops if p.prompt_id == "multi_turn_base_0:call3")
     # BFCL's simulated file system answered the real calls: cd into document, then mkdir temp
@@ -162,8 +176,11 @@ def test_workloads_preset_runs_plain_default_and_both_llama_speculations():
 
     preset = presets.get_preset("workloads")
     runner.validate(preset)
-    assert [r.name for r in preset.runs] == ["code-edit", "chat", "tool-loop", "humaneval"]
+    assert [r.name for r in preset.runs] == ["code-edit", "chat", "tool-loop", "humaneval", "code-edit-warm",
+                                             "chat-warm", "tool-loop-warm"]
     for r in preset.runs:
+        cold = next(c for c in preset.runs if c.name == r.name.removesuffix("-warm"))
+        assert r.loop == r.name.endswith("-warm") and replace(r, name=cold.name, loop=False) == cold
         assert r.systems[:2] == ("specfleet:none", f"specfleet:{DEFAULT_DRAFT['cpu']}")
         assert r.temperature == 0 and r.rounds >= 2 and r.batch_sizes == (1,) and r.quantization == "gguf"
         assert any(s.startswith("llamacpp:ngram-mod") for s in r.systems)
