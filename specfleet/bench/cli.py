@@ -70,9 +70,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rowcheck-prompts", type=int, help="after the timed waves, replay every row of this many "
                    "prompts per specfleet system as plain decode steps and report rows that differ (untimed)")
     p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=None,
-                   help="send each prompt right after the request before it in its loop (code-edit: the same file "
-                        "under another edit; sharegpt-multiturn: the earlier turn; tool-loop: the call before), "
-                        "untimed, so every system's prefix cache holds their shared context; batch size 1")
+                   help="send each prompt right after what the earlier requests of its loop leave in a server's cache "
+                        "(code-edit: the same file under another edit; sharegpt-multiturn, tool-loop: the "
+                        "conversation up to the new turn or tool result), untimed, so every system's prefix cache "
+                        "holds their shared context; batch size 1")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>-<device>-<stamp>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -54,8 +54,9 @@ class Prompt:
     text: str  # raw prompt; for chat data, the last user message
     messages: Messages = ()  # the conversation to template; empty for raw-completion data
     tools: str = ""  # the tools offered, as JSON text (OpenAI's [{"type": "function", "function": ...}]); "" for none
-    # the request before this one in its loop, as its messages (same tools): the earlier turn of the chat, the
-    # call before in the tool loop, an earlier edit of the same file; () where the data has none
+    # what the earlier requests of its loop leave in a server's cache, as messages (same tools): for a chat or a tool
+    # loop the conversation up to the new user turn or tool result (the earlier answers and calls, which a server
+    # that made them holds as its own KV), for a code edit an earlier edit of the same file; () where there is none
     previous: Messages = ()
 
     def as_messages(self) -> list[dict]:
@@ -69,7 +70,7 @@ class Prompt:
         return out
 
     def previous_prompt(self) -> "Prompt | None":
-        """The request before this one in its loop as a Prompt of its own (same tools), None without one."""
+        """`previous` as a Prompt of its own (same tools), None without one."""
         if not self.previous:
             return None
         return Prompt(f"{self.prompt_id}:previous", self.previous[-1][1], self.previous, self.tools)
@@ -185,7 +186,7 @@ def read_sharegpt_multiturn(path: Path, max_context_chars: int = 6000) -> Iterat
             continue
         context = tuple(("user" if r == "human" else "assistant", t) for r, t in zip(roles[:2 * pick + 1],
                                                                                     texts[:2 * pick + 1]))
-        yield Prompt(f"{record.get('id', '')}:t{pick + 1}", texts[2 * pick], context, previous=context[:-2])
+        yield Prompt(f"{record.get('id', '')}:t{pick + 1}", texts[2 * pick], context, previous=context[:-1])
 
 
 # -- tool-call loops (BFCL) --------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def read_bfcl_tool_loops(path: Path) -> Iterator[Prompt]:
                 messages.append(("assistant", "", json.dumps([{"name": name, "arguments": arguments}])))
                 messages.append(("tool", result))
             yield Prompt(f"{entry['id']}:call{len(calls)}", user, tuple(messages), json.dumps(tools),
-                         previous=tuple(messages[:-2]))
+                         previous=tuple(messages[:-1]))
 
 
 def run_bfcl_calls(calls: list[str], classes: list[str], initial_config: dict) -> list[tuple[str, dict, str]]:

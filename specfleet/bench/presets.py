@@ -49,10 +49,11 @@ class RunConfig:
     # build every system afresh for each batch size (its own warm-up), so a draft that remembers past outputs
     # (suffix decoding's shared trie) or a prefix cache cannot replay the earlier batch size's run of the same prompts
     fresh_per_batch: bool = False
-    # an editor's or agent's loop: before each timed prompt (batch 1) its predecessor in the loop (the dataset's
-    # Prompt.previous) goes to the same system untimed, for one new token, so the context the two share sits in the
-    # system's prefix cache as it does on a server that served the earlier turn (specfleet's prefix cache,
-    # llama-server's cache_prompt); the timed request is then what the loop's next turn costs
+    # an editor's, chat's or agent's loop: before each timed prompt (batch 1) what the earlier requests of its loop
+    # leave in a server's cache (the dataset's Prompt.previous: the conversation up to the new turn or tool result,
+    # or the same file under another edit) goes to the same system untimed, for one new token, so the context they
+    # share sits in the system's prefix cache (specfleet's prefix cache, llama-server's cache_prompt); the timed
+    # request is then what the loop's next turn costs
     loop: bool = False
 
 
@@ -260,9 +261,9 @@ WORKLOADS = {
 }
 
 
-# the same prompts as loops meet them (RunConfig.loop): each right after the request before it in its editor session,
-# chat or agent loop (the same file under another edit, the earlier turn, the call before), so that the context
-# they share sits in every system's prefix cache, as on a server that served the earlier request
+# the same prompts as loops meet them (RunConfig.loop): each right after what the earlier requests of its editor
+# session, chat or agent loop leave in the server's cache (the same file under another edit; the conversation up to
+# the new user turn or tool result, whose earlier answers and calls a server that made them keeps as KV)
 WARM = "-warm"
 LOOP_WORKLOADS = ("code-edit", "chat", "tool-loop")
 
@@ -406,9 +407,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "BFCL's simulated APIs, then the next call, 64 tokens) and HumanEval fresh code (128 tokens); 4 prompts "
            "each, 1.5B GGUF, greedy, batch 1: specfleet plain and its default speculation beside llama-server's "
            "ngram-mod and draft-simple (0.5B) speculation, two rounds in alternating order; the -warm parts send "
-           "each prompt of code edits, chat and tool loops right after the request before it in its loop (the same "
-           "file under another edit, the earlier turn, the call before), so every system's prefix cache holds the "
-           "context they share",
+           "each prompt of code edits, chat and tool loops right after what the earlier requests of its loop leave "
+           "in a server's cache (the same file under another edit; the conversation up to the new user turn or tool "
+           "result), so every system's prefix cache holds the context they share",
            tuple(_workload_part(n) for n in _WORKLOAD_PARTS),
            tuple(c for n in _WORKLOAD_PARTS for c in _workload_checks(n)),
            expected_duration="about 8-25 minutes a part on 2 CPU cores (--parts code-edit for one)"),

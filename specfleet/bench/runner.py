@@ -232,7 +232,7 @@ class _Timings:
     def run(self, system, b: int, prompts: list, prompt_ids: list[list[int]], settings: Settings, bar,
             previous_ids: list[list[int]] | None = None) -> None:
         """Time `system` over all prompts in waves of `b`; with `previous_ids` (a loop part, b = 1), each prompt
-        right after its predecessor, sent untimed for one token."""
+        right after what the earlier requests of its loop left in the cache, sent untimed for one token."""
         if system.max_batch_size is not None and b > system.max_batch_size:
             self.skipped.append({"system": system.label, "batch_size": b,
                                  "reason": f"runs batch size {system.max_batch_size} at most"})
@@ -303,7 +303,7 @@ def _prompts(cfg: RunConfig, tokenizer, max_positions: int):
 
 
 def _previous_ids(cfg: RunConfig, prompts: list, tokenizer, is_chat: bool) -> list[list[int]]:
-    """The token ids of each prompt's predecessor in its loop (a loop part); an error where the data has none."""
+    """The token ids of each prompt's `previous` (a loop part); an error where the data has none."""
     out = []
     for p in prompts:
         previous = p.previous_prompt()

@@ -83,10 +83,11 @@ def test_sharegpt_multiturn_rules(tmp_path):
     assert [p.prompt_id for p in got] == ["two:t3"]
     assert got[0].messages == (("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"), ("user", "e"))
     assert got[0].text == "e"
-    assert got[0].previous == got[0].messages[:3]  # the turn before: the conversation up to "c"
+    assert got[0].previous == got[0].messages[:4]  # what the earlier turns leave in the cache: up to the answer "d"
     assert got[0].previous_prompt().as_messages() == [{"role": "user", "content": "a"},
                                                       {"role": "assistant", "content": "b"},
-                                                      {"role": "user", "content": "c"}]
+                                                      {"role": "user", "content": "c"},
+                                                      {"role": "assistant", "content": "d"}]
     assert [p.prompt_id for p in datasets.read_sharegpt_multiturn(path, max_context_chars=3)] == ["two:t2"]
 
 
@@ -108,7 +109,7 @@ def test_real_sharegpt_multiturn_is_the_conversation_as_written():
         assert [c for _, c in p.messages] == [t["value"] for t in turns[:n]]  # verbatim, in order
         assert [r for r, _ in p.messages] == ["user", "assistant"] * (n // 2) + ["user"]
         assert turns[n]["from"] == "gpt"  # the model answered this turn in the data
-        assert p.previous == p.messages[:-2] and p.previous[-1][0] == "user"
+        assert p.previous == p.messages[:-1] and p.previous[-1][0] == "assistant"
 
 
 # -- tool-call loops (BFCL) ------------------------------------------------------------------------------
@@ -143,8 +144,8 @@ def test_real_tool_loops_are_call_result_next_call():
             assert {k: made["arguments"][k] for k in kwargs} == kwargs  # the call's own arguments, by name
             assert list(made["arguments"].values())[:len(args)] == args and len(made["arguments"]) == len(args) + len(kwargs)
         assert datasets.parse_call(truth[-1])[0] in offered  # the call the model is to make is on offer
-        # the request before it in the loop asked for the call before, with the same tools on offer
-        assert p.previous == p.messages[:-2] and p.previous_prompt().tools == p.tools
+        # the earlier requests leave the conversation up to the last call in the cache, the same tools on offer
+        assert p.previous == p.messages[:-1] and p.previous[-1][0] == "assistant" and p.previous_prompt().tools == p.tools
         assert all(t["function"]["parameters"].get("type") == "object" for t in p.tool_list())
     first = next(p for p in loops if p.prompt_id == "multi_turn_base_0:call3")
     # BFCL's simulated file system answered the real calls: cd into document, then mkdir temp
