@@ -289,6 +289,7 @@ def _workload_checks(name: str) -> tuple[Check, ...]:
             Check(f"{name}: default speculation >= 1.5x llama-server draft-simple (0.5B)", name, fleet,
                   (LLAMA_DRAFT, 1), "throughput_tok_s", 1.5))
 
+
 _WORKLOAD_PARTS = (*WORKLOADS, *(n + WARM for n in LOOP_WORKLOADS))
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (

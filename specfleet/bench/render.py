@@ -9,7 +9,8 @@ COLUMNS = [
     ("system", "system"), ("batch_size", "batch"), ("throughput_tok_s", "tok/s"),
     ("decode_throughput_tok_s", "decode tok/s"), ("request_tok_s_mean", "req tok/s"),
     ("normalized_latency_ms_p50", "norm. lat. p50 ms/tok"), ("normalized_latency_ms_p90", "p90"),
-    ("ttft_ms_mean", "TTFT ms"), ("cached_prompt_share", "prompt cached"), ("acceptance_rate", "accept rate"), ("mean_accepted_length", "mean acc. len"),
+    ("ttft_ms_mean", "TTFT ms"), ("cached_prompt_share", "prompt cached"), ("acceptance_rate", "accept rate"),
+    ("mean_accepted_length", "mean acc. len"),
     ("draft_time_share", "draft share"), ("goodput_tok_s", "goodput tok/s"),
     ("speedup_throughput", "speed-up"), ("roofline_fraction", "of roofline"), ("baseline_match_rate", "= AR out"),
     ("rows_checked", "rows checked"), ("rows_differing", "rows != decode"),
@@ -33,7 +34,7 @@ def render_markdown(payload: dict, plots: dict[str, list[Path]]) -> str:
             "prefilling later (its early requests decoding meanwhile) reads higher there than it is; compare tok/s.",
             "- req tok/s: mean over requests of output tokens / latency; norm. lat.: latency / output tokens.",
             "- prompt cached: prompt tokens the system's prefix cache served / all prompt tokens (a loop part sends "
-            "each prompt right after its predecessor, so this is the context the two share; cold parts: about 0).",
+            "each prompt right after the context its loop's earlier requests leave cached; cold parts: about 0).",
             "- accept rate = accepted / drafted tokens; mean acc. len = tokens per target pass, counting the "
             "bonus token (1.0 = plain decoding); for transformers it is output tokens / target passes (batch 1).",
             "- draft share = drafting time / (drafting + verification); goodput = tokens / that time.",

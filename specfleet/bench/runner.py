@@ -172,7 +172,7 @@ def run_part(cfg: RunConfig, bandwidths: dict, progress: bool = True) -> dict:
             continue
         # one system for all batch sizes, or (fresh_per_batch) one per batch size
         for sizes in ([(b,) for b in cfg.batch_sizes] if cfg.fresh_per_batch else [tuple(cfg.batch_sizes)]):
-            system = _build(spec, cfg, pool, eos, pad, keep_prefix=cfg.loop)
+            system = _build(spec, cfg, pool, eos, pad)
             system_info.setdefault(spec.label, {"label": spec.label, "kind": spec.kind, "draft": spec.draft,
                                                 "settings": system.notes})
             bar.set_postfix_str(f"{spec.label}: warm-up")
@@ -341,15 +341,14 @@ def _skip_llamacpp(spec: SystemSpec, cfg: RunConfig, timed: "_Timings", bar, num
     bar.update(sum(-(-num_prompts // b) for b in cfg.batch_sizes))
 
 
-def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int,
-           keep_prefix: bool = False):
-    """A system for the part; `keep_prefix` (a loop part) lets llama-server reuse its cached prompt, as
-    specfleet's prefix cache always does."""
+def _build(spec: SystemSpec, cfg: RunConfig, pool: ModelPool, eos: tuple[int, ...], pad: int):
+    """A system for the part; in a loop part llama.cpp reuses its cached prompt, as specfleet's prefix cache
+    always does."""
     from specfleet.llm import load_model
 
     dtype, device = parse_dtype(cfg.dtype), parse_device(cfg.device)
     if spec.kind == "llamacpp":
-        return llamacpp.make_system(spec, cfg.model, eos_token_ids=eos, cache_prompt=keep_prefix)
+        return llamacpp.make_system(spec, cfg.model, eos_token_ids=eos, cache_prompt=cfg.loop)
     if spec.kind == "specfleet":
         quant = _quantization(spec, cfg)
         target, tokenizer = pool.get(_ours_key(cfg, quant), lambda: load_model(cfg.model, dtype, device,
