@@ -175,17 +175,20 @@ def test_key_plan_lists_each_rows_keys():
     assert plan.extras[:5].tolist() == [2, 3, 2, 3, 4]
 
 
-def test_native_verification_rows_equal_their_decode_steps():
+@pytest.mark.parametrize("c", [45, 150])
+def test_native_verification_rows_equal_their_decode_steps(c):
     """Prompt, chain and tree rows through the key plan: bit for bit the decode step's output (a one-row
-    call over the row's own keys copied elsewhere in the cache, in order), and close to float64."""
+    call over the row's own keys copied elsewhere in the cache, in order), and close to float64. With 150 keys of
+    context, rows of a group also share whole 64-key chunks of values (the 512-bit path takes them two rows at a
+    time, as it takes their scores)."""
     g = torch.Generator().manual_seed(3)
-    c, h, kvh, d = 45, 12, 2, 128
+    h, kvh, d = 12, 2, 128
     # a chain of 19 rows: attention takes a request's prefix rows 8 at a time (groups of 8, 8, 3 sharing key
     # loads); then a tree, whose rows with gathered keys go one at a time
     parents = [-1, 0, 0, 1, 2, 4] + [-1] * 13
     n = len(parents)
-    cache_k = torch.randn(200, kvh, d, generator=g)
-    cache_v = torch.randn(200, kvh, d, generator=g)
+    cache_k = torch.randn(2 * c + 120, kvh, d, generator=g)
+    cache_v = torch.randn(2 * c + 120, kvh, d, generator=g)
     q = torch.randn(n, h, d, generator=g)
     for new_mask in (None, tree_mask(parents[:6])):
         n = 6 if new_mask is not None else len(parents)
@@ -194,10 +197,10 @@ def test_native_verification_rows_equal_their_decode_steps():
         for i in range(n):
             seen = (torch.arange(i + 1) if new_mask is None else new_mask[i].nonzero().flatten())
             upto = torch.cat([torch.arange(c), seen + c]) + 10
-            m = len(upto)  # the decode step: the same keys at slots 100.., its own key last
-            cache_k[100:100 + m], cache_v[100:100 + m] = cache_k[upto].clone(), cache_v[upto].clone()
+            m, at = len(upto), c + 40  # the decode step: the same keys at slots `at`.., its own key last
+            cache_k[at:at + m], cache_v[at:at + m] = cache_k[upto].clone(), cache_v[upto].clone()
             alone = native_attend(lib(), q[i:i + 1].contiguous(), cache_k, cache_v,
-                                  _one_batch(SeqAttention(1, m - 1, slice(100, 100 + m))), d ** -0.5)
+                                  _one_batch(SeqAttention(1, m - 1, slice(at, at + m))), d ** -0.5)
             assert torch.equal(out[i:i + 1], alone)
             ref = attend64(q[i], cache_k[upto], cache_v[upto], d ** -0.5)
             torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
