@@ -12,94 +12,53 @@
 #endif
 
 #ifdef SF_VNNI512
-/* o0[0 .. 16 nv) (and o1, the second head's, unless 0) += sum over keys j in [j0, j1) of p0[j] (p1[j]) times
- * the values of cache row krow[j] (v: those values at this part of D), in key order; the sums start from 0 at
- * j0 = 0 and from what o0/o1 hold after. nv (2 or 4 registers) is a constant at each call, so the loops unroll. */
+/* For `rows` rows (1 or 2) over the same keys: o[2w][0 .. 16 nv) (and o[2w + 1], the second head's, unless 0) +=
+ * sum over keys j in [j0, j1) of p[2w][j] (p[2w + 1][j]) times the values of cache row krow[j] (v: those values
+ * at this part of D), in key order; the sums start from 0 at j0 = 0 and from what o holds after. Each value
+ * register is loaded once for every row, and an output lane's chain of fused multiply-adds does not depend on
+ * `rows`, so one row gets the same bits alone or paired. nv (2 or 4 registers) and rows are constants at each
+ * call, so the loops unroll. */
 ALWAYS_INLINE void values_chunk512(const float *v, const int64_t *krow, int64_t ldk, int64_t j0, int64_t j1,
-                                   const float *p0, const float *p1, float *o0, float *o1, const int nv) {
-    __m512 x0[4], x1[4];
-    for (int u = 0; u < nv; u++) {
-        x0[u] = j0 ? _mm512_loadu_ps(o0 + 16 * u) : _mm512_setzero_ps();
-        x1[u] = j0 && o1 ? _mm512_loadu_ps(o1 + 16 * u) : _mm512_setzero_ps();
-    }
+                                   const float *const *p, float *const *o, const int nv, const int rows) {
+    __m512 x[4][4];
+    for (int h = 0; h < 2 * rows; h++)
+        for (int u = 0; u < nv; u++) x[h][u] = j0 && o[h] ? _mm512_loadu_ps(o[h] + 16 * u) : _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
         const float *vr = v + krow[j] * ldk;
-        const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+        __m512 b[4];
+        for (int h = 0; h < 2 * rows; h++) b[h] = _mm512_set1_ps(p[h][j]);
         for (int u = 0; u < nv; u++) {
             const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-            x0[u] = _mm512_fmadd_ps(b0, vv, x0[u]);
-            x1[u] = _mm512_fmadd_ps(b1, vv, x1[u]);
+            for (int h = 0; h < 2 * rows; h++) x[h][u] = _mm512_fmadd_ps(b[h], vv, x[h][u]);
         }
     }
-    for (int u = 0; u < nv; u++) {
-        _mm512_storeu_ps(o0 + 16 * u, x0[u]);
-        if (o1) _mm512_storeu_ps(o1 + 16 * u, x1[u]);
-    }
+    for (int h = 0; h < 2 * rows; h++)
+        if (o[h])
+            for (int u = 0; u < nv; u++) _mm512_storeu_ps(o[h] + 16 * u, x[h][u]);
 }
 
-/* values_chunk512 for two rows at once (p*a, o*a: the first row's; p*b, o*b: the second's) over the same keys: each
- * value register is loaded once for both rows, and every output lane takes the same chain of fused multiply-adds
- * as values_chunk512 gives it, so the same bits. */
-ALWAYS_INLINE void values_chunk512_rows2(const float *v, const int64_t *krow, int64_t ldk, int64_t j0, int64_t j1,
-                                         const float *p0a, const float *p1a, const float *p0b, const float *p1b,
-                                         float *o0a, float *o1a, float *o0b, float *o1b, const int nv) {
-    __m512 x0[4], x1[4], y0[4], y1[4];
-    for (int u = 0; u < nv; u++) {
-        x0[u] = j0 ? _mm512_loadu_ps(o0a + 16 * u) : _mm512_setzero_ps();
-        x1[u] = j0 && o1a ? _mm512_loadu_ps(o1a + 16 * u) : _mm512_setzero_ps();
-        y0[u] = j0 ? _mm512_loadu_ps(o0b + 16 * u) : _mm512_setzero_ps();
-        y1[u] = j0 && o1b ? _mm512_loadu_ps(o1b + 16 * u) : _mm512_setzero_ps();
-    }
-    for (int64_t j = j0; j < j1; j++) {
-        const float *vr = v + krow[j] * ldk;
-        const __m512 a0 = _mm512_set1_ps(p0a[j]), a1 = _mm512_set1_ps(p1a[j]);
-        const __m512 b0 = _mm512_set1_ps(p0b[j]), b1 = _mm512_set1_ps(p1b[j]);
-        for (int u = 0; u < nv; u++) {
-            const __m512 vv = _mm512_loadu_ps(vr + 16 * u);
-            x0[u] = _mm512_fmadd_ps(a0, vv, x0[u]);
-            x1[u] = _mm512_fmadd_ps(a1, vv, x1[u]);
-            y0[u] = _mm512_fmadd_ps(b0, vv, y0[u]);
-            y1[u] = _mm512_fmadd_ps(b1, vv, y1[u]);
+/* The scores of 8 keys (kr) for query heads a and a + 1 (packed in q[w] as the driver lays them out) of `rows` rows
+ * (1 or 2, a constant at each call) sharing each key load: s[w][u], and s[w][L8 + u] (head a + 1) when `two`. */
+ALWAYS_INLINE void scores8_512(const float *const *q, const float *const *kr, int64_t D, float scale,
+                               float *const *s, int64_t L8, int two, const int rows) {
+    __m512 acc[2][8];
+    for (int w = 0; w < rows; w++)
+        for (int u = 0; u < 8; u++) acc[w][u] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m512 qv[2];
+        for (int w = 0; w < rows; w++) qv[w] = _mm512_load_ps(q[w] + 2 * d);
+        for (int u = 0; u < 8; u++) {
+            const __m512 kv = both_f8(kr[u] + d);
+            for (int w = 0; w < rows; w++) acc[w][u] = _mm512_fmadd_ps(qv[w], kv, acc[w][u]);
         }
     }
-    for (int u = 0; u < nv; u++) {
-        _mm512_storeu_ps(o0a + 16 * u, x0[u]);
-        if (o1a) _mm512_storeu_ps(o1a + 16 * u, x1[u]);
-        _mm512_storeu_ps(o0b + 16 * u, y0[u]);
-        if (o1b) _mm512_storeu_ps(o1b + 16 * u, y1[u]);
-    }
-}
-
-/* The scores of 8 keys (kr) for query heads a and a + 1 (packed in qa as the driver lays them out) of one row, or of
- * two rows (qb, sb non-null) sharing each key load: s[a * L8 + u], and s[(a + 1) * L8 + u] when `two`. */
-ALWAYS_INLINE void scores8_512(const float *qa, const float *qb, const float *const *kr, int64_t D, float scale,
-                               float *sa, float *sb, int64_t L8, int two) {
-    __m512 acc[8], bcc[8];
-    for (int u = 0; u < 8; u++) acc[u] = bcc[u] = _mm512_setzero_ps();
-    if (qb) {
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m512 qv = _mm512_load_ps(qa + 2 * d), qw = _mm512_load_ps(qb + 2 * d);
-            for (int u = 0; u < 8; u++) {
-                const __m512 kv = both_f8(kr[u] + d);
-                acc[u] = _mm512_fmadd_ps(qv, kv, acc[u]);
-                bcc[u] = _mm512_fmadd_ps(qw, kv, bcc[u]);
-            }
-        }
-    } else {
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m512 qv = _mm512_load_ps(qa + 2 * d);
-            for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qv, both_f8(kr[u] + d), acc[u]);
-        }
-    }
-    for (int w = 0; w < (qb ? 2 : 1); w++) {
-        const __m512 *c = w ? bcc : acc;
-        float *s = w ? sb : sa;
+    for (int w = 0; w < rows; w++) {
         __m256 half[8];
-        for (int u = 0; u < 8; u++) half[u] = lo8(c[u]);
-        _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+        for (int u = 0; u < 8; u++) half[u] = lo8(acc[w][u]);
+        _mm256_storeu_ps(s[w], _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
         if (two) {
-            for (int u = 0; u < 8; u++) half[u] = hi8(c[u]);
-            _mm256_storeu_ps(s + L8, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
+            for (int u = 0; u < 8; u++) half[u] = hi8(acc[w][u]);
+            _mm256_storeu_ps(s[w] + L8, _mm256_mul_ps(hsum8x8(half), _mm256_set1_ps(scale)));
         }
     }
 }
@@ -149,9 +108,14 @@ void sfq_attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const fl
 #ifdef SF_VNNI512
             /* two rows at once where both see all 8 keys (their kr alike): each key loaded once for both */
             const int pair = r + 1 < m && j0 + 8 <= L[r] && j0 + 8 <= L[r + 1];
-            for (int64_t a = 0; a < G; a += 2)
-                scores8_512(qp + (r * G2 + a) * D, pair ? qp + ((r + 1) * G2 + a) * D : 0, kr, D, scale,
-                            s + a * L8 + j0, pair ? s + G * L8 + a * L8 + j0 : 0, L8, a + 1 < G);
+            for (int64_t a = 0; a < G; a += 2) {
+                const float *qs2[2] = {qp + (r * G2 + a) * D, qp + ((r + pair) * G2 + a) * D};
+                float *const s2[2] = {s + a * L8 + j0, s + pair * G * L8 + a * L8 + j0};
+                if (pair)
+                    scores8_512(qs2, kr, D, scale, s2, L8, a + 1 < G, 2);
+                else
+                    scores8_512(qs2, kr, D, scale, s2, L8, a + 1 < G, 1);
+            }
             r += pair;
 #else
             for (int64_t a = 0; a < G; a++) {
@@ -212,24 +176,23 @@ void sfq_attend_group(const float *q, int64_t qs, int64_t m, int64_t G, const fl
 #ifdef SF_VNNI512
             /* the AVX2 loop below with 16 lanes per register; two rows at once where both take this whole chunk */
             const int pair = r + 1 < m && j0 + VCHUNK <= L[r] && j0 + VCHUNK <= L[r + 1];
-            const float *sr2 = pair ? sr + G * L8 : sr;
-            float *o2 = pair ? o + qs : o;
+            const float *sr2 = sr + pair * G * L8;
+            float *o2 = o + pair * qs;
             for (int64_t a = 0; a < G; a += 2) {
                 const int two = a + 1 < G;
-                const float *p0 = sr + a * L8, *p1 = sr + (a + two) * L8;
-                const float *q0 = sr2 + a * L8, *q1 = sr2 + (a + two) * L8;
+                const float *const p[4] = {sr + a * L8, sr + (a + two) * L8, sr2 + a * L8, sr2 + (a + two) * L8};
                 for (int64_t d = 0; d < D;) {
-                    float *o0 = o + a * D + d, *o1 = two ? o + (a + 1) * D + d : 0;
-                    float *u0 = o2 + a * D + d, *u1 = two ? o2 + (a + 1) * D + d : 0;
+                    float *const od[4] = {o + a * D + d, two ? o + (a + 1) * D + d : 0, o2 + a * D + d,
+                                          two ? o2 + (a + 1) * D + d : 0};
                     const int nv = D - d >= 64 ? 4 : 2; /* 64 values of D for both heads in 8 registers, else 32 in 4 */
                     if (pair && nv == 4)
-                        values_chunk512_rows2(v + d, krow, ldk, j0, j1, p0, p1, q0, q1, o0, o1, u0, u1, 4);
+                        values_chunk512(v + d, krow, ldk, j0, j1, p, od, 4, 2);
                     else if (pair)
-                        values_chunk512_rows2(v + d, krow, ldk, j0, j1, p0, p1, q0, q1, o0, o1, u0, u1, 2);
+                        values_chunk512(v + d, krow, ldk, j0, j1, p, od, 2, 2);
                     else if (nv == 4)
-                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 4);
+                        values_chunk512(v + d, krow, ldk, j0, j1, p, od, 4, 1);
                     else
-                        values_chunk512(v + d, krow, ldk, j0, j1, p0, p1, o0, o1, 2);
+                        values_chunk512(v + d, krow, ldk, j0, j1, p, od, 2, 1);
                     d += 16 * nv;
                 }
             }
