@@ -55,15 +55,7 @@ def time_call(lib, length: int, rows: int, threads: int, calls: int, repeats: in
 
 def base_library(src: Path, path: str):
     """The native library of source tree `src` for ISA path `path`, built with this tree's flags."""
-    from specfleet.runtime.backends.native import build as native_build
-
-    csrc = src / "specfleet" / "runtime" / "backends" / "native" / "csrc"
-    files = [csrc / f.relative_to(native_backend._CSRC) for f in native_backend.sources(path)]
-    lib = native_build.compile_library(files, native_backend.flags(path), tuple(sorted(csrc.rglob("*.h"))))
-    for name, (argtypes, res) in native_backend.SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, res
-    return lib
+    return native_backend.build(path, src / "specfleet" / "runtime" / "backends" / "native" / "csrc")
 
 
 def ab_rows(base, this, length: int, rows: int, threads: int, repeats: int) -> dict:

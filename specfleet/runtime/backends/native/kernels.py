@@ -167,7 +167,15 @@ def _load(path: str) -> ctypes.CDLL:
         raise RuntimeError(reason)
     if not _pinnable(path):
         raise RuntimeError(f"this CPU cannot run the {path} kernels")
-    lib = native.compile_library(sources(path), flags(path), HEADERS)
+    return build(path)
+
+
+def build(path: str, csrc: Path = _CSRC) -> ctypes.CDLL:
+    """ISA path `path`'s library compiled from the C sources under `csrc` (another source tree's csrc folder:
+    an A/B of two trees' kernels, benchmarks/kernels/attention.py --base-src), its entry points typed."""
+    files = [csrc / f.relative_to(_CSRC) for f in sources(path)]
+    headers = HEADERS if csrc == _CSRC else tuple(sorted(csrc.rglob("*.h")))
+    lib = native.compile_library(files, flags(path), headers)
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
