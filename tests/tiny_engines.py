@@ -78,3 +78,39 @@ def make_drafter(kind, draft):
     if kind == "draft-tree":
         return DraftModelProposer(draft, "draft", DraftModelConfig(3, top_children=3, max_nodes=8, kv_cache_bytes=SMALL))
     return PromptLookupProposer(PromptLookupConfig(4))
+
+
+class SteadyClock:
+    """A clock that advances one second per reading."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def steady_fleets(proposer):
+    """Put every fleet in a composed proposer on a SteadyClock and return the proposer. A fleet trims its trees
+    and turns steps plain from step times; on the wall clock a busy host makes verified nodes look dear, so a test
+    that needs drafts verified (rows checked, some kept) drew few or none on a loaded CI machine (132 steps, 2 drafted
+    tokens). On the steady clock every step reads one second whatever its node count: a node costs nothing, no tree
+    is trimmed, and the choices depend on the tokens alone. A drafting call reads as a second too, so a fleet with a
+    draft model rarely calls it and one with the default margin may still decode plain where drafting looks dear:
+    give it a near-zero margin where only weightless members should draft every step."""
+    from specfleet.strategies.fleet import FleetProposer
+
+    seen = set()
+
+    def walk(p):
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        if isinstance(p, FleetProposer):
+            p.clock = SteadyClock()  # a fleet with its own clock leaves the engine's seconds out (observe_step)
+        for c in getattr(p, "children", None) or ():
+            walk(c)
+
+    walk(proposer)
+    return proposer

@@ -18,6 +18,7 @@ from specfleet.runtime.kv.blocks import BlockManager
 from specfleet.runtime.kv.cache import bytes_per_token
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build_proposer
+from tiny_engines import steady_fleets
 from tiny_models import random_prompts, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -182,7 +183,8 @@ def test_a_second_turn_prefills_only_what_is_new_and_gives_the_same_tokens(targe
 
             return DraftModelProposer(quantized_model(tiny_hf_model("qwen2")), "draft",
                                       DraftModelConfig(3, kv_cache_bytes=4 << 20))
-        return build_proposer(draft, SpecConfig(), target.config.vocab_size, torch.float32, torch.device("cpu"))
+        return steady_fleets(build_proposer(draft, SpecConfig(), target.config.vocab_size, torch.float32,
+                                            torch.device("cpu")))  # drafts kept, however busy the host
 
     off = _conversation(_engine(target, proposer(), caching=False), turns)
     eng = _engine(target, proposer())
