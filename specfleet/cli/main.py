@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from specfleet.cli.cluster import add_cluster_parser
     from specfleet.cli.serve import add_serve_parser
     from specfleet.cli.ngram import add_ngram_parser
+    from specfleet.cli.datastore import add_datastore_parser
 
     from specfleet.bench.cli import add_bench_parser
     from specfleet.distill.cli import add_distill_parser
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     add_cluster_parser(sub)
     add_ngram_parser(sub)
+    add_datastore_parser(sub)
     add_bench_parser(sub)
     add_distill_parser(sub)
     add_draft_parser(sub)

@@ -6,9 +6,11 @@ does the same with a caller-supplied model loader (tests hand in tiny models by 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from specfleet.core.model_ref import ModelRef
@@ -28,7 +30,11 @@ from specfleet.core.proposer import Proposer, get_factory, registered_names
 from specfleet.strategies.selector import SelectorConfig, SelectorProposer
 from specfleet.drafting.staged import StagedConfig, StagedProposer
 from specfleet.drafting.suffix import SuffixConfig, SuffixProposer
+from specfleet.drafting.datastore import (Datastore, DatastoreConfig, DatastoreProposer, check_tokenizer,
+                                          stdlib_datastore)
 from specfleet.strategies.vote import VoteConfig, VoteProposer
+
+logger = logging.getLogger(__name__)
 
 # A same-vocabulary draft model's head covers only the first DEFAULT_HEAD_VOCAB token ids unless its spec
 # says otherwise (`qwen-0.5b[head_vocab=none]` for the whole vocabulary): byte-level BPE ids come in merge
@@ -46,6 +52,7 @@ DEFAULT_P_MIN = 0.4
 
 LoadModel = Callable[..., object]  # (name, quantization=None) -> model
 LOOKUP_NAMES = ("prompt-lookup", "lookup")
+DATASTORE_NAME = "datastore"  # retrieval from a corpus of text others wrote (drafting/datastore.py)
 LOOKUP_ALIASES = {"k": "num_speculative_tokens", "width": "num_branches"}
 HEAD_NAME = "head"  # the feature-conditioned draft head trained for the target (drafting/head.py)
 HEAD_ALIASES = {"k": "num_speculative_tokens"}
@@ -174,6 +181,8 @@ class _Builder:
             return HeadProposer.for_target(self.target_model, cfg, name=label)
         if name == "suffix":
             return SuffixProposer(apply_options(SuffixConfig(), opts, name, SUFFIX_ALIASES), name=label)
+        if name == DATASTORE_NAME:
+            return self._datastore(opts, label)
         if name == GRAMMAR_ORIGIN:
             if self.target_tokenizer is None:
                 raise InvalidRequestError("the grammar draft needs the target's tokenizer")
@@ -211,6 +220,22 @@ class _Builder:
             cfg = replace(cfg, p_min=DEFAULT_P_MIN)
         return DraftModelProposer(model, label, cfg, self.vocab, self.device)
 
+    def _datastore(self, opts: dict, label: str) -> Proposer:
+        cfg = apply_options(DatastoreConfig(), opts, DATASTORE_NAME, SUFFIX_ALIASES)
+        cfg.validate()
+        if cfg.path is None:
+            if self.target_tokenizer is None:
+                raise InvalidRequestError("the datastore draft without a path builds its corpus with the target's "
+                                          "tokenizer; give it one (LLM does) or name a built one: datastore[path=DIR]")
+            store = stdlib_datastore(self.target_tokenizer, log=logger.info)
+        else:
+            store = Datastore.load(cfg.path)
+            check_tokenizer(store, self.target_tokenizer, cfg.path)
+        if self.vocab is not None and len(store) and int(np.max(store.tokens)) >= self.vocab:
+            raise InvalidRequestError(f"datastore {cfg.path or 'default'!r} holds token ids beyond the target's "
+                                      f"vocabulary of {self.vocab}")
+        return DatastoreProposer(store, cfg, name=label if opts else DATASTORE_NAME)
+
     def _ngram_model(self, cfg: NgramConfig) -> NgramModel:
         key = (cfg.order, cfg.min_count, cfg.path, cfg.max_entries)  # one set of tables per setting, shared
         if key not in self.ngram_models:
@@ -220,7 +245,7 @@ class _Builder:
 
     def _staged(self, node: Node) -> Proposer:
         inner = node.children[0]
-        weightless = (*LOOKUP_NAMES, "ngram", "suffix", GRAMMAR_ORIGIN, HEAD_NAME, *registered_names())
+        weightless = (*LOOKUP_NAMES, "ngram", "suffix", DATASTORE_NAME, GRAMMAR_ORIGIN, HEAD_NAME, *registered_names())
         if inner.kind != NodeKind.LEAF or inner.name in weightless:
             raise InvalidRequestError(f"'{inner}+ngram': the n-gram stage speeds up a draft model, so it must "
                                       f"follow a model name, as in qwen-0.5b+ngram")
