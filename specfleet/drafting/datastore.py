@@ -97,6 +97,10 @@ class Datastore:
         self.rev = tokens[::-1]  # a view: the corpus read backwards, what `sa` sorts
         self.sa = sa
         self.meta = dict(meta or {})
+        # where each first token's range starts in sa (the widest narrowing, done by table): token t's suffixes
+        # are sa[first[t + 2]:first[t + 3]], as the sort ranks a token t + 2 (a file boundary 1)
+        counts = np.bincount(np.asarray(tokens, dtype=np.int64) + 2) if len(tokens) else np.zeros(2, np.int64)
+        self.first = np.concatenate(([0], np.cumsum(counts)))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -181,8 +185,13 @@ class Datastore:
         """(length, lo, hi): the longest suffix of `context` (at most max_match tokens) that occurs at least
         min_count times, and the range of sa holding its occurrences (in the reversed corpus)."""
         lo, hi, length = 0, len(self.sa), 0
+        first = self.first
         for j in range(min(max_match, len(context))):
-            a, b = self._narrow(lo, hi, j, int(context[-1 - j]))
+            tok = int(context[-1 - j])
+            if j == 0:
+                a, b = (int(first[tok + 2]), int(first[tok + 3])) if 0 <= tok < len(first) - 3 else (0, 0)
+            else:
+                a, b = self._narrow(lo, hi, j, tok)
             if b - a < min_count:
                 break
             lo, hi, length = a, b, j + 1
