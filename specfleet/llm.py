@@ -50,7 +50,11 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # fleet: on an H100 (eager) it made 1.82x against the 0.5B draft's 1.16x at batch 1, and with CUDA graphs an
 # H200 steps the 0.5B's shape in 2.87 ms against the 1.5B's 4.77: d = 0.6, too dear for its 0.8 acceptance
 # to pay. (The runs are in benchmarks/RESULTS.md: the fleet preset and the GPU step costs.)
-DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup)", "cuda": "fleet(suffix,prompt-lookup)"}
+# On the CPU the fleet also holds the retrieval draft over the Python standard library (`datastore`, built once
+# per tokenizer, ~11 s): fresh code repeats idioms the request's own text has not shown yet. On a Cascade Lake
+# Xeon it made 1.19x against 1.12x on HumanEval and 1.19x against 1.16x on ShareGPT (draft_cost.py, medians of 3
+# rounds; draft-cost-cpu-20261128T133607Z, ...T134159Z). Not yet on CUDA: no GPU measured it.
+DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup,datastore)", "cuda": "fleet(suffix,prompt-lookup)"}
 
 
 def default_draft(model: str, device) -> str | None:

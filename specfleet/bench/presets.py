@@ -178,7 +178,7 @@ def _kernel_path() -> str | None:
 # the default fleet (the CPU default draft of LLM()) against each single draft and plain decoding,
 # everything on the GGUF files as they are (native kernels), llama.cpp's plain decoding on the same file as
 # the outside baseline, and beside them the fleet that also holds the draft model and the n-gram model
-FLEET = "fleet(suffix,prompt-lookup)"  # = specfleet.llm.DEFAULT_DRAFT["cpu"] (tests/bench/test_metrics.py)
+FLEET = "fleet(suffix,prompt-lookup,datastore)"  # = specfleet.llm.DEFAULT_DRAFT["cpu"] (tests/bench/test_metrics.py)
 FLEET_WITH_MODEL = "fleet(qwen-0.5b,suffix,prompt-lookup,ngram)"
 _FLEET_MEMBERS = ("specfleet:qwen-0.5b", "specfleet:qwen-0.5b[quant=q4_0]", "specfleet:suffix",
                   "specfleet:prompt-lookup")

