@@ -114,3 +114,18 @@ def steady_fleets(proposer):
 
     walk(proposer)
     return proposer
+
+
+def count_shapes(proposer):
+    """Wrap proposer.propose to count the trees it sends, "chain" or "branched"; returns the Counter."""
+    from collections import Counter
+
+    shapes, propose = Counter(), proposer.propose
+
+    def counting(requests):
+        trees = propose(requests)
+        shapes.update("branched" if not t.is_chain else "chain" for t in trees.values())
+        return trees
+
+    proposer.propose = counting
+    return shapes

@@ -16,7 +16,9 @@ Verification feeds [root, cat, sat, dog] to the target at positions ctx+0, ctx+1
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -104,3 +106,34 @@ class DraftTree:
         """The first `max_nodes` nodes (still a valid tree because parents precede children)."""
         probs = None if self.draft_probs is None else self.draft_probs[:max_nodes]
         return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes], self.origins[:max_nodes], probs)
+
+
+def best_first_tree(children: Callable[[object, int], Iterable[tuple[int, float, object]]], root: object, budget: int,
+                    max_depth: int, min_prob: float, origin: str) -> tuple[DraftTree, float]:
+    """A tree grown best first from counts (the suffix and datastore drafts): `children(state, depth)` yields
+    (token, share among its siblings, child state) below a node at `depth` (0: the root). A node's score is the
+    product of the shares on its path; nodes below `min_prob` are not proposed, nodes are added in order of
+    falling score (parents before children, siblings most likely first, ties in the order offered) until
+    `budget`, none deeper than `max_depth`. Returns the tree and its summed score."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    score = 0.0
+    heap: list = []  # (-score, tie, parent, token, state, depth)
+    tie = 0
+
+    def offer(parent: int, state, prob: float, depth: int) -> None:
+        nonlocal tie
+        for tok, share, child in children(state, depth):
+            if prob * share >= min_prob:
+                heapq.heappush(heap, (-prob * share, tie, parent, tok, child, depth + 1))
+                tie += 1
+
+    offer(-1, root, 1.0, 0)
+    while heap and len(tokens) < budget:
+        neg, _, parent, tok, state, depth = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        score -= neg
+        if depth < max_depth:
+            offer(len(tokens) - 1, state, -neg, depth)
+    return DraftTree(tokens, parents, [origin] * len(tokens)), score

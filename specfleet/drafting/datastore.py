@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import heapq
 import json
 import math
 import os
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from specfleet.core.proposer import Feedback
-from specfleet.core.tree import DraftTree
+from specfleet.core.tree import DraftTree, best_first_tree
 from specfleet.errors import InvalidRequestError
 
 SORT_DEPTH = 64  # the suffix array orders suffixes by at most this many tokens
@@ -232,35 +231,23 @@ class DatastoreConfig:
 def grow(store: Datastore, positions: np.ndarray, budget: int, max_depth: int, min_prob: float,
          origin: str) -> tuple[DraftTree, float]:
     """The best-first tree of what followed the matches (forward `positions` of their next tokens) and its summed
-    score. Nodes come in order of falling score: parents before children, siblings most frequent first."""
-    tokens, parents, score = [], [], 0.0
-    heap: list = []
-    tie = 0
+    score (core/tree.best_first_tree). A child's positions are its parent's whose token is the child's, one on;
+    the ends of files (-1) count among the siblings (the corpus stopped there) but are never proposed."""
     fwd, n = store.tokens, len(store.tokens)
 
-    def offer(parent: int, pos: np.ndarray, prob: float, depth: int) -> None:
-        nonlocal tie
+    def children(state: tuple, depth: int):
+        pos, tok = state  # a node's positions are made when it is expanded: most offered nodes never are
+        if tok is not None:
+            pos = pos[np.asarray(fwd[pos]) == tok] + 1
         pos = pos[pos < n]
         if not len(pos):
             return
-        nxt = np.asarray(fwd[pos])
-        vals, counts = np.unique(nxt, return_counts=True)
-        total = len(nxt)  # ends of files (-1) count in the denominator: the corpus stopped there
+        vals, counts = np.unique(np.asarray(fwd[pos]), return_counts=True)
         for v, c in zip(vals.tolist(), counts.tolist()):
-            p = prob * c / total
-            if v >= 0 and p >= min_prob:
-                heapq.heappush(heap, (-p, tie, parent, v, pos, depth + 1))
-                tie += 1
+            if v >= 0:
+                yield v, c / len(pos), (pos, v)
 
-    offer(-1, positions, 1.0, 0)
-    while heap and len(tokens) < budget:
-        neg, _, parent, tok, pos, depth = heapq.heappop(heap)
-        tokens.append(tok)
-        parents.append(parent)
-        score -= neg
-        if depth < max_depth:
-            offer(len(tokens) - 1, pos[np.asarray(fwd[pos]) == tok] + 1, -neg, depth)
-    return DraftTree(tokens, parents, [origin] * len(tokens)), score
+    return best_first_tree(children, (positions, None), budget, max_depth, min_prob, origin)
 
 
 class DatastoreProposer:

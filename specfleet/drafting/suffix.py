@@ -23,14 +23,13 @@ for prompt lookup: lossless for greedy and sampled requests alike.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
 from specfleet.errors import InvalidRequestError
 from specfleet.core.proposer import Feedback
 from specfleet.drafting.suffix_tree import Cursor, SuffixTrie
-from specfleet.core.tree import DraftTree
+from specfleet.core.tree import DraftTree, best_first_tree
 
 
 
@@ -69,31 +68,10 @@ class _RequestState:
 
 def grow_tree(trie: SuffixTrie, cursor: Cursor, match_len: int, budget: int, max_depth: int, min_prob: float,
               origin: str) -> tuple[DraftTree, float]:
-    """The best-first tree below `cursor` (a stored match of `match_len` tokens) and its summed score.
-    Nodes are added in order of falling score, so parents precede children and siblings come most
-    frequent first (the order verification tries them in)."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    score = 0.0
-    heap: list[tuple[float, int, int, int, Cursor, int]] = []  # (-score, tie, parent, token, cursor, depth)
-    tie = 0
-
-    def offer(parent: int, cur: Cursor, prob: float, depth: int) -> None:
-        nonlocal tie
-        for tok, freq, nxt in trie.continuations(cur, match_len + depth):
-            if prob * freq >= min_prob:
-                heapq.heappush(heap, (-prob * freq, tie, parent, tok, nxt, depth + 1))
-                tie += 1
-
-    offer(-1, cursor, 1.0, 0)
-    while heap and len(tokens) < budget:
-        neg, _, parent, tok, cur, depth = heapq.heappop(heap)
-        tokens.append(tok)
-        parents.append(parent)
-        score -= neg
-        if depth < max_depth:
-            offer(len(tokens) - 1, cur, -neg, depth)
-    return DraftTree(tokens, parents, [origin] * len(tokens)), score
+    """The best-first tree below `cursor` (a stored match of `match_len` tokens) and its summed score
+    (core/tree.best_first_tree: a node's score is the product of the continuation frequencies on its path)."""
+    return best_first_tree(lambda cur, depth: trie.continuations(cur, match_len + depth), cursor, budget, max_depth,
+                           min_prob, origin)
 
 
 class SuffixProposer:

@@ -2,7 +2,6 @@
 force, the trees, the files and their checks, the draft spec, the CLI, and losslessness in the engine (greedy
 equality; the sampled distribution by the chi-square harness)."""
 import json
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
 from specfleet.strategies.factory import SpecConfig, build
 from tests.engine.test_distribution import ALPHA, PARAMS, VOCAB, exact_joint, generate, p_values, setup  # noqa: F401
-from tiny_engines import make_engine, repetitive_prompts, steady_fleets
+from tiny_engines import count_shapes, make_engine, repetitive_prompts, steady_fleets
 from tiny_models import ours_from_hf, run_to_completion, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -217,15 +216,7 @@ def test_sampled_output_follows_the_target(setup):  # noqa: F811
     # continuations, most branched
     store = Datastore.build([[a, b, (a + b + k * k) % VOCAB] for a in range(VOCAB) for b in range(VOCAB) for k in range(3)])
     proposer = DatastoreProposer(store, DatastoreConfig(min_match=1, min_prob=0.0, max_nodes=4, factor=4.0))
-    shapes = Counter()
-    propose = proposer.propose
-
-    def counting(requests):
-        trees = propose(requests)
-        shapes.update("branched" if not t.is_chain else "chain" for t in trees.values())
-        return trees
-
-    proposer.propose = counting
+    shapes = count_shapes(proposer)
     samples, stats = generate(target, proposer, prompt, PARAMS["t1"], 1500, 14_000_000)
     assert stats.num_drafted > 1500 // 4 and 0.0 < stats.acceptance_rate < 1.0, stats.as_dict()
     assert shapes["branched"] > 0, shapes

@@ -17,7 +17,7 @@ from specfleet.drafting.suffix_tree import Node, SuffixTrie
 from specfleet.strategies.vote import VoteProposer
 from tests.engine.test_distribution import (ALPHA, PARAMS, accept_every_draft, exact_joint, generate, one_thread,  # noqa: F401
                                p_values, setup)
-from tiny_engines import make_engine, repetitive_prompts
+from tiny_engines import count_shapes, make_engine, repetitive_prompts
 from tiny_models import ours_from_hf, perturbed_copy, run_to_completion, tiny_hf_model
 
 A, B, C, D, X = 1, 2, 3, 4, 9
@@ -280,15 +280,7 @@ def test_sampled_output_follows_the_target(setup, setting):  # noqa: F811
     n = 1500
     # factor 4: budgets of 4 nodes from one matched token, so both chains and branched trees occur
     proposer = SuffixProposer(SuffixConfig(min_match=1, factor=4.0))
-    shapes = Counter()
-    propose = proposer.propose
-
-    def counting(requests):
-        trees = propose(requests)
-        shapes.update("branched" if not t.is_chain else "chain" for t in trees.values())
-        return trees
-
-    proposer.propose = counting
+    shapes = count_shapes(proposer)
     samples, stats = generate(target, proposer, prompt, PARAMS[setting], n, 12_000_000)
     assert stats.num_drafted > n // 4 and 0.0 < stats.acceptance_rate < 1.0, stats.as_dict()
     assert shapes["branched"] > 0 and shapes["chain"] > 0, shapes  # siblings were tried as point masses
