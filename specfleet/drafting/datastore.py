@@ -350,21 +350,28 @@ def stdlib_datastore(tokenizer, log=print) -> Datastore:
     import tempfile
 
     folder = default_folder(tokenizer)
-    if not (folder / "meta.json").is_file():
+    if (folder / "meta.json").is_file():
+        return Datastore.load(folder)
+    files = python_sources()
+    if log is not None:
+        log(f"datastore: tokenizing {len(files)} standard-library sources into {folder} (once)")
+    store = build_from_files(files, tokenizer, {"sources": "python standard library"})
+    try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        files = python_sources()
-        if log is not None:
-            log(f"datastore: tokenizing {len(files)} standard-library sources into {folder} (once)")
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
+    except OSError as e:  # a read-only cache: draft from memory, built again next time
+        if log is not None:
+            log(f"datastore: cannot write {folder.parent} ({e}); keeping the store in memory")
+        return store
+    try:
+        store.save(tmp)
         try:
-            build_from_files(files, tokenizer, {"sources": "python standard library"}).save(tmp)
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another process finished first
-                if not (folder / "meta.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return Datastore.load(folder)
 
 

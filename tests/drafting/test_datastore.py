@@ -147,6 +147,12 @@ def test_the_default_store_is_built_once_from_the_standard_library(tmp_path, mon
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".build-")]  # the private folder is gone
     again = ds.stdlib_datastore(tok, log=logs.append)
     assert len(logs) == 1 and len(again) == len(store)  # loaded, not rebuilt
+    # a cache that cannot be written (here a file where the folder would go): the store is kept in memory
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    monkeypatch.setenv("SPECFLEET_CACHE", str(blocked))
+    mem = ds.stdlib_datastore(tok, log=logs.append)
+    assert len(mem) == len(store) and "keeping the store in memory" in logs[-1]
 
 
 # -- the draft spec and the CLI -------------------------------------------------------------------------
