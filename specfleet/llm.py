@@ -57,15 +57,17 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup,datastore)", "cuda": "fleet(suffix,prompt-lookup)"}
 
 
-def default_draft(model: str, device) -> str | None:
+def default_draft(model: str, device, with_tokenizer: bool = True) -> str | None:
     """The draft `LLM()` (and the CLI's / server's `--draft default`) uses: the per-device default for the
-    default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model."""
+    default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model. A target handed in
+    without a tokenizer (`LLM.from_model`) drafts without the datastore, whose corpus is text to tokenize."""
     try:
         if lookup(str(model)).name != DEFAULT_MODEL:
             return None
     except ModelLoadError:  # a path or an unregistered name
         return None
-    return DEFAULT_DRAFT.get(getattr(device, "type", str(device)).split(":")[0], DEFAULT_DRAFT["cuda"])
+    draft = DEFAULT_DRAFT.get(getattr(device, "type", str(device)).split(":")[0], DEFAULT_DRAFT["cuda"])
+    return draft if with_tokenizer else draft.replace(",datastore", "")
 _USE_DEFAULT = object()
 
 
@@ -104,7 +106,7 @@ class LLM:
         self.device = parse_device(device)
         self.quantization = parse_quantization(quantization)
         if draft is _USE_DEFAULT:
-            draft = default_draft(model, self.device)
+            draft = default_draft(model, self.device, with_tokenizer=_loaded is None or _loaded[1] is not None)
         if _loaded is not None:  # LLM.from_model: a model the caller loaded or built
             given, self.tokenizer = _loaded
             self.model = given

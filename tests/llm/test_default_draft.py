@@ -14,6 +14,8 @@ def test_default_draft_per_device():
     assert default_draft("qwen-1.5b", torch.device("cpu")) == "fleet(suffix,prompt-lookup,datastore)"
     assert default_draft("Qwen-1.5B", "cpu") == "fleet(suffix,prompt-lookup,datastore)"
     assert default_draft("/some/path/model.gguf", "cpu") is None
+    # a target without a tokenizer cannot tokenize the datastore's corpus: the same fleet without it
+    assert default_draft(DEFAULT_MODEL, "cpu", with_tokenizer=False) == "fleet(suffix,prompt-lookup)"
 
 
 def test_default_drafts_are_valid_specs():

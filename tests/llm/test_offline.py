@@ -93,7 +93,9 @@ def test_from_model_wraps_the_model_as_it_is_and_names_it():
     assert plain.model is model and plain.tokenizer is None
     assert plain.model_name == "custom" and plain.draft_name is None  # no default draft for a model of its own
     named = LLM.from_model(model, name=DEFAULT_MODEL, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
-    assert named.model is model and named.draft_name == default_draft(DEFAULT_MODEL, named.device)  # as LLM(name)
+    # as LLM(name), less the datastore: its corpus is text, and this model came without a tokenizer
+    assert named.model is model and named.draft_name == default_draft(DEFAULT_MODEL, named.device, with_tokenizer=False)
+    assert named.draft_name and "datastore" not in named.draft_name
     prompts = random_prompts([5, 7])
     assert ([o.token_ids for o in named.generate(prompts, GREEDY)]
             == [o.token_ids for o in plain.generate(prompts, GREEDY)])
