@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +59,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def suffix_array(tokens: np.ndarray, depth: int = SORT_DEPTH) -> np.ndarray:
-    """Start positions of the suffixes of `tokens` (ints >= -1) in sorted order, compared on their first `depth` tokens rounded up to a power of two
-    tokens (ties beyond that in position order). Prefix doubling: after the round with span k every suffix has
+    """Start positions of the suffixes of `tokens` (ints >= -1) in sorted order, compared on their first `depth`
+    tokens rounded up to a power of two (ties beyond that in position order). Prefix doubling: after the round with span k every suffix has
     the rank of its first 2k tokens among all, as the pair (rank of the first k, rank of the next k)."""
     n = len(tokens)
     if n == 0:
@@ -100,6 +99,7 @@ class Datastore:
         # are sa[first[t + 2]:first[t + 3]], as the sort ranks a token t + 2 (a file boundary 1)
         counts = np.bincount(np.asarray(tokens, dtype=np.int64) + 2) if len(tokens) else np.zeros(2, np.int64)
         self.first = np.concatenate(([0], np.cumsum(counts)))
+        self.max_token = len(counts) - 3  # the largest token id held (-1 when none)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -160,8 +160,9 @@ class Datastore:
             p = int(sa[i]) + j
             return int(rev[p]) if p < n else -2  # past the end sorts first
 
-        if hi - lo <= 64:
-            col = np.array([at(i) for i in range(lo, hi)])
+        if hi - lo <= 64:  # token j of every suffix in the range, gathered at once
+            p = np.asarray(sa[lo:hi], dtype=np.int64) + j
+            col = np.where(p < n, np.asarray(rev)[np.minimum(p, n - 1)], -2)
             return lo + int(np.searchsorted(col, tok, "left")), lo + int(np.searchsorted(col, tok, "right"))
         a, b = lo, hi
         while a < b:  # first with token >= tok
@@ -258,7 +259,6 @@ class DatastoreProposer:
         self.config.validate()
         self.store, self.name = store, name
         self.depth = self.config.max_depth
-        self.lookup_s = 0.0  # time spent looking up and growing trees (a weightless draft's whole cost)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -278,13 +278,11 @@ class DatastoreProposer:
         return tree if len(tree) else None
 
     def propose(self, requests: list) -> dict[str, DraftTree]:
-        t0 = time.perf_counter()
         trees = {}
         for r in requests:
             tree = self.draft(r.all_token_ids)
             if tree is not None:
                 trees[r.request_id] = tree
-        self.lookup_s += time.perf_counter() - t0
         return trees
 
     def observe(self, feedback: list[Feedback]) -> None:

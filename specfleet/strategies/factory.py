@@ -10,7 +10,6 @@ import logging
 from typing import Callable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
 from specfleet.core.model_ref import ModelRef
@@ -231,7 +230,7 @@ class _Builder:
         else:
             store = Datastore.load(cfg.path)
             check_tokenizer(store, self.target_tokenizer, cfg.path)
-        if self.vocab is not None and len(store) and int(np.max(store.tokens)) >= self.vocab:
+        if self.vocab is not None and store.max_token >= self.vocab:
             raise InvalidRequestError(f"datastore {cfg.path or 'default'!r} holds token ids beyond the target's "
                                       f"vocabulary of {self.vocab}")
         return DatastoreProposer(store, cfg, name=label if opts else DATASTORE_NAME)
