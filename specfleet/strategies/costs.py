@@ -183,16 +183,26 @@ class StepCosts:
 
 
 class DraftCost:
-    """One draft's measured cost per request and call."""
+    """One draft's measured cost per request and call.
+
+    The first call warms the draft (a model's weights and caches touched for the first time) and is dearer than
+    the rest: the 0.5B's first 4-token chain took 109 ms against ~76 ms after. It stands alone until a second
+    call is timed, which then replaces it; a cold first call that stayed in the mean made a draft that pays look
+    as if it did not, and a fleet that never calls a draft again never re-times it."""
 
     def __init__(self, window: int = 128):
+        self.window = window
         self.fit = LinearFit(window)
         self.seconds = 0.0
         self.nodes = 0
         self.calls = 0
         self.requests = 0
+        self.warm = False  # whether the first (cold) call has been replaced
 
     def add(self, seconds: float, num_requests: int, k: int, gap: float, nodes: int) -> None:
+        if self.calls == 1 and not self.warm:  # the second call: forget the cold first
+            self.__init__(self.window)
+            self.warm = True
         self.seconds += seconds
         self.nodes += nodes
         self.calls += 1
@@ -241,6 +251,17 @@ class CatchUpCost:
 
 
 class Acceptance:
+    """Conditional acceptance of a draft's nodes, per context, depth and sibling rank (decayed counts).
+
+    A cell's estimate shrinks towards the pooled one over contexts (`shrink` pseudo-observations), and the
+    pooled estimate of a depth shrinks towards the pooled estimate one level up (the prior's weight in
+    pseudo-observations; depth 1 towards the prior's mean). A depth never observed therefore reads like the
+    depth above it, not like the flat prior: with a flat 0.5 below depth 1, a fleet that had seen the 0.5B
+    accept 0.78 of its first tokens expected ~2.2 tokens from a 4-deep chain, never called it deeper than one
+    token, and so never learned that its deeper tokens are accepted as often (HumanEval, the 1.5B target: the
+    0.5B was called on 0 of 251 steps beside the datastore; benchmarks/RESULTS.md, session 31). Conditional
+    acceptance of a model's or a lookup's chain rarely falls with depth, so the level above is the better guess."""
+
     def __init__(self, prior: tuple[float, float] = (1.0, 1.0), shrink: float = 2.0, decay: float = 0.99,
                  max_depth: int = 16, max_rank: int = 4, num_contexts: int = 5):
         self.prior, self.shrink, self.decay = prior, shrink, decay
@@ -248,6 +269,7 @@ class Acceptance:
         shape = (num_contexts, max_depth, max_rank, 2)  # [..., 0] = accepted (decayed), [..., 1] = tried
         self.counts = np.zeros(shape)
         self.pooled = np.zeros(shape[1:])
+        self._pooled_p: np.ndarray | None = None  # pooled estimates per (depth, rank), rebuilt after an add
 
     def _cell(self, ctx: int, depth: int, rank: int) -> tuple[int, int, int]:
         return min(ctx, self.num_contexts - 1), min(depth, self.max_depth) - 1, min(rank, self.max_rank - 1)
@@ -257,14 +279,26 @@ class Acceptance:
         for table in (self.counts[c, d, r], self.pooled[d, r]):
             table *= self.decay
             table += (float(accepted), 1.0)
+        self._pooled_p = None
+
+    def pooled_p(self) -> np.ndarray:
+        """[max_depth, max_rank]: the pooled estimate of every cell, each depth shrunk towards the one above."""
+        if self._pooled_p is None:
+            a0, b0 = self.prior
+            weight = a0 + b0
+            out = np.empty(self.pooled.shape[:2])
+            above = np.full(self.max_rank, a0 / weight)
+            for d in range(self.max_depth):
+                s, n = self.pooled[d, :, 0], self.pooled[d, :, 1]
+                out[d] = above = (s + weight * above) / (n + weight)
+            self._pooled_p = out
+        return self._pooled_p
 
     def p(self, ctx: int, depth: int, rank: int) -> float:
         c, d, r = self._cell(ctx, depth, rank)
-        a0, b0 = self.prior
-        s, n = self.pooled[d, r]
-        pooled = (s + a0) / (n + a0 + b0)
+        pooled = self.pooled_p()[d, r]
         s, n = self.counts[c, d, r]
-        return (s + self.shrink * pooled) / (n + self.shrink)
+        return float((s + self.shrink * pooled) / (n + self.shrink))
 
     def path_probs(self, tree: DraftTree, ctx: int) -> list[float]:
         """P(node is on the accepted path) for every node of `tree`."""
@@ -277,9 +311,7 @@ class Acceptance:
     def by_position(self, ctx: int | None = None, depth: int = 8) -> list[float]:
         """Conditional acceptance of the first child per depth (pooled over contexts unless `ctx`)."""
         if ctx is None:
-            a0, b0 = self.prior
-            return [float((self.pooled[d, 0, 0] + a0) / (self.pooled[d, 0, 1] + a0 + b0))
-                    for d in range(min(depth, self.max_depth))]
+            return [float(v) for v in self.pooled_p()[:min(depth, self.max_depth), 0]]
         return [self.p(ctx, d, 0) for d in range(1, depth + 1)]
 
 

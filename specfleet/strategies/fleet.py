@@ -92,6 +92,12 @@ class FleetConfig:
     # would cost more than this share of a plain step per token the request may still generate: an exploring
     # call is pure cost until the member is chosen, so it must stay well inside the 0.97x-of-plain floor
     explore_budget: float = 0.02
+    # the first this many forced calls of an expensive member are made whatever their catch-up costs (explore_budget)
+    # and keep explore_every's interval: one call's estimates are too few to stop on. With short requests every forced
+    # call meets a prompt to feed, so the budget had left the 0.5B judged by the warm-up's single cold call (27 ms a
+    # drafted token against ~19, and a 0.67 acceptance that was mostly prior) and never called again (HumanEval,
+    # 96-token replies, beside the datastore: 0 of 228 steps, against 70 of 117 when that first call ran fast)
+    explore_first: int = 4
     # a batch size whose plain step has been timed fewer than PLAIN_SAMPLES times decodes plain once every this
     # many of its steps (at once on the first; 0 = never): a request's share of a plain step at that batch size is
     # then measured, not extrapolated down from speculative steps, which at 8 streams once read 1.4x the plain
@@ -114,9 +120,11 @@ class FleetConfig:
 
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
-                or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0:
+                or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
+                or self.explore_first < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
-                                      "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0")
+                                      "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
+                                      "explore_first >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -173,6 +181,7 @@ class FleetProposer:
         self._seen: dict[tuple[str, int], int] = {}  # (request, expensive member) -> tokens when it drafted
         self._since_called = {j: cfg.explore_every for j in self.expensive}
         self._explore_gap = {j: cfg.explore_every for j in self.expensive}
+        self._forced_calls = {j: 0 for j in self.expensive}  # forced calls made so far (FleetConfig.explore_first)
         self._plain_gap: dict[int, int] = {}  # batch size -> its steps since a forced plain step (_sample_plain)
         self._pending: dict[str, _Pending] = {}
         self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
@@ -236,7 +245,8 @@ class FleetProposer:
                 pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
                 if pays:
                     wanted.add(j)
-                asked = pays or (rid in forced.get(j, ()) and not self._costly_catch_up(r, j))
+                asked = pays or (rid in forced.get(j, ()) and (self._forced_calls[j] < self.config.explore_first
+                                                               or not self._costly_catch_up(r, j)))
                 if asked and not self._feed_waits(r, j, groups[j]):
                     groups[j].append((r, k))
             planned = max(planned, len(best.tree)) if padded else planned + len(best.tree)
@@ -246,6 +256,8 @@ class FleetProposer:
                 k = self.max_k[j] if j in explore else max(k for _, k in group)
                 self._call(j, [r for r, _ in group], k, cands, spent)
             self._since_called[j] = 0 if group else self._since_called[j] + 1
+            if group and j in explore:
+                self._forced_calls[j] += 1
         t2 = time.perf_counter()
         if padded:
             out, per, planned = self._padded_plan(requests, cands, share, spent, sampled)
@@ -254,7 +266,7 @@ class FleetProposer:
         for j in self.expensive:  # forced calls that the estimates would not have made: re-measure less often
             if j in wanted:
                 self._explore_gap[j] = self.config.explore_every
-            elif j in explore:
+            elif j in explore and self._forced_calls[j] >= self.config.explore_first:
                 self._explore_gap[j] = min(2 * self._explore_gap[j], 16 * self.config.explore_every)
         self._plan = (self.clock(), batch, planned, per)
         self.overhead_s["decide"] += time.perf_counter() - t2

@@ -103,6 +103,19 @@ def test_acceptance_converges_by_depth_rank_and_context():
     assert acc.path_probs(tree, 4) == pytest.approx([acc.p(4, 1, 0), acc.p(4, 1, 0) * acc.p(4, 2, 0), acc.p(4, 1, 1)])
 
 
+def test_unobserved_depth_reads_like_the_depth_above_not_the_flat_prior():
+    acc = Acceptance(decay=1.0)
+    for i in range(200):
+        acc.add(1, 1, 0, i % 10 < 8)  # depth 1 accepted 0.8 of the time; nothing seen deeper
+    assert acc.p(1, 1, 0) == pytest.approx(0.8, abs=0.02)
+    assert acc.p(1, 2, 0) == pytest.approx(acc.p(1, 1, 0), abs=0.02)
+    assert acc.p(1, 5, 0) == pytest.approx(acc.p(1, 1, 0), abs=0.02)  # 0.5 under a flat prior
+    assert acc.p(1, 1, 1) == pytest.approx(0.5)  # an unseen sibling rank keeps the prior
+    for _ in range(400):  # observations of a deeper level overrule the level above
+        acc.add(1, 3, 0, False)
+    assert acc.p(1, 3, 0) < 0.05 and acc.p(1, 4, 0) < 0.1 and acc.p(1, 2, 0) == pytest.approx(0.8, abs=0.02)
+
+
 def test_best_subtree_worked_example_and_plain():
     extra = lambda m: 2.0 * m  # noqa: E731  T(1, n) = 10 + 2n
     keep, e, cost = best_subtree([0.9, 0.72, 0.36], 10.0, extra)
@@ -215,7 +228,8 @@ class CachedDraft(FakeDraft):
 
 
 def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
-             prompt=5, catch_up=0.0, max_tokens=100_000, verify_fixed=0.0, plain_every=16, explore_requests=1):
+             prompt=5, catch_up=0.0, max_tokens=100_000, verify_fixed=0.0, plain_every=16, explore_requests=1,
+             explore_first=3):
     """A target whose step costs step * (batch + node_cost * nodes) on the fake clock, plus step * verify_fixed
     when it verifies any node."""
     clock = Clock()
@@ -226,7 +240,8 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
     else:
         model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_plain_every=plain_every,
-                                                      explore_requests=explore_requests), clock=clock)
+                                                      explore_requests=explore_requests, explore_first=explore_first),
+                           clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
     for r in reqs:
         r.params.max_tokens = max_tokens
@@ -301,11 +316,13 @@ def test_an_unpriced_catch_up_is_priced_on_one_request_first():
 def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     """The model does not pay; once its catch-up cost is timed (2 steps per token here), a forced
     re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
-    plain step per token the request may still generate: only the first call, on the prompt, is made."""
-    fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
-                                   prompt=1000, catch_up=2.0, max_tokens=300)
-    assert share["plain"] > 0.9, share
-    assert model.calls == 1
+    plain step per token the request may still generate: past the first `explore_first` forced calls (made
+    whatever they cost, so that one call's estimates are not the last), no call is made."""
+    for first in (0, 1, 3):
+        fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
+                                       prompt=1000, catch_up=2.0, max_tokens=300, explore_first=first)
+        assert share["plain"] > 0.9, share
+        assert model.calls == max(first, 1), (first, model.calls)
 
 
 def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.05, max_tokens=1000):
@@ -335,12 +352,78 @@ def test_forced_re_measurements_stay_inside_the_explore_budget():
     """One stream of requests with 1000-token prompts; the model never pays. Feeding it a new request's prompt
     costs 0.05 plain steps per token the request may still generate: the old budget (a tenth of a step) let the
     forced re-measurements feed every new request's prompt (50 steps each, +50 % on a 100-step request), the
-    budget (0.02 by default) feeds only the first, which measures the catch-up cost."""
-    fleet, model = _one_stream(0.02)
-    assert set(model.cached) == {"r0"}, sorted(model.cached)
+    budget (0.02 by default) feeds none past the first `explore_first` forced calls (made at steps 0, 32, 64 and
+    96, whatever they cost: the first request's and, as the steps fall, the second's), so 8 requests feed 2."""
+    fleet, model = _one_stream(0.02, requests=8)
+    assert set(model.cached) <= {"r0", "r1"}, sorted(model.cached)
     assert fleet.chosen["plain"] > 0.9 * fleet.num_request_steps
-    _, model = _one_stream(0.1)  # the old rule
-    assert len(model.cached) > 1
+    _, model = _one_stream(0.1, requests=8)  # the old budget
+    assert len(model.cached) > 2
+
+
+class ColdDraft(CachedDraft):
+    """A CachedDraft whose first call costs `cold` times a warm one (a draft model's first forward: its weights
+    and caches touched for the first time)."""
+
+    def __init__(self, *args, cold=3.0, **kw):
+        super().__init__(*args, **kw)
+        self.cold = cold
+
+    def propose(self, requests):
+        if self.calls == 0:
+            self.clock.now += (self.cold - 1.0) * len(requests) * self.per_token * self.config.num_speculative_tokens
+        return super().propose(requests)
+
+
+def _short_requests(explore_first, requests=12, max_tokens=64, prompt=150, seed=2):
+    """One stream of short requests (`max_tokens` each) on a target whose step costs 1 + 0.25 per node; a model
+    draft that pays (0.85 of its tokens right, 0.25 steps per drafted token, 0.01 a token to feed its cache)
+    except on its first, cold call (3x); no cheap draft. Returns the model's share of the last half's steps."""
+    clock = Clock()
+    model = ColdDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=seed, per_gap=0.05)
+    cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_first=explore_first), clock=clock)
+    late = total = 0
+    for i in range(requests):
+        r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
+        r.params.max_tokens = max_tokens
+        r.prompt_len = r.num_tokens
+        while r.num_tokens - r.prompt_len < max_tokens:
+            before = fleet.chosen["model"]
+            trees = fleet.propose([r])
+            clock.now += 1.0 + 0.25 * sum(len(t) for t in trees.values())
+            tree = trees.get(r.request_id)
+            want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
+            hit = sorted(matched_nodes(tree, want)) if tree is not None else []
+            emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
+            r.tokens += emitted
+            fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+            if i >= requests // 2:
+                late += fleet.chosen["model"] - before
+                total += 1
+        fleet.release(r.request_id)
+    return late / total
+
+
+def test_a_first_cold_call_is_not_the_last_word_on_a_draft_model():
+    """Short requests (a prompt to feed on every forced call, beyond the explore budget) and a draft model that pays
+    but whose first call is three times dearer than the rest. Judged on that call alone (explore_first=1: the old
+    rule, where only the first forced call could feed a prompt) it never looks as if it pays and is never called
+    again, whatever the seed. With the default (the first four forced calls made whatever their catch-up costs, the
+    cold call replaced by the next one's time) it is found to pay and drafts on most steps, for every seed."""
+    for seed in range(6):
+        assert _short_requests(explore_first=1, seed=seed) < 0.1, seed
+        assert _short_requests(explore_first=FleetConfig().explore_first, seed=seed) > 0.8, seed
+
+
+def test_a_draft_costs_cold_first_call_is_replaced_by_the_second():
+    cost = DraftCost()
+    cost.add(0.3, 1, 4, 1.0, 4)  # cold
+    assert cost.per_request(4, 1.0) == pytest.approx(0.3)  # all there is so far
+    cost.add(0.1, 1, 4, 1.0, 4)
+    assert cost.per_request(4, 1.0) == pytest.approx(0.1) and cost.d == pytest.approx(0.025) and cost.calls == 1
+    cost.add(0.12, 1, 4, 1.0, 4)  # later calls all count
+    assert cost.per_request(4, 1.0) == pytest.approx(0.11) and cost.calls == 2
 
 
 def test_no_speculation_when_nothing_pays():
