@@ -39,6 +39,15 @@ def cpu_flags() -> frozenset[str]:
     return _cpu_flags
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (`GenuineIntel`, `AuthenticAMD`; "" where it says none)."""
+    try:
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("vendor_id")), "")
+    except OSError:
+        line = ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
 def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 

@@ -161,13 +161,43 @@ def isa(wanted: str | None = None) -> str | None:
     return paths[0] if paths else None
 
 
+# How far ahead the x86 products prefetch weights (csrc/arch/x86/x86.h stream_ahead), for one activation row and for
+# more, where it differs from the body's compiled default (quants_k.c: 4 KB and 16 KB on the 512-bit VNNI path,
+# measured on a Zen 5). On a Cascade Lake Xeon 16 KB made 2-9 verification rows 5-10 % slower than 4-8 KB (c(4) 1.66
+# against 1.55; benchmarks/kernels/prefetch.py, benchmarks/RESULTS.md, session 31). Keyed by ISA path and vendor.
+PREFETCH: dict[tuple[str, str], tuple[int, int]] = {("avx512vnni", "GenuineIntel"): (4096, 4096)}
+
+
+def prefetch_setting(path: str, vendor: str | None = None) -> tuple[int, int] | None:
+    """(one row, more rows) prefetch distances in bytes for ISA path `path` on this CPU: SPECFLEET_PREFETCH
+    ("ONE,MANY") where set, else PREFETCH's entry for the path and the CPU's vendor; None keeps the compiled default."""
+    env = os.environ.get("SPECFLEET_PREFETCH", "").strip()
+    if env:
+        try:
+            one, many = (int(v) for v in env.split(","))
+        except ValueError:
+            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: expected two byte counts, ONE_ROW,MANY_ROWS") from None
+        if not (0 <= one <= 1 << 20 and 0 <= many <= 1 << 20):
+            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: distances must lie in [0, {1 << 20}] bytes")
+        return one, many
+    return PREFETCH.get((path, native.cpu_vendor() if vendor is None else vendor))
+
+
 def _load(path: str) -> ctypes.CDLL:
     reason = native.missing_prerequisite("generic") if path == "generic" else missing()
     if reason is not None:
         raise RuntimeError(reason)
     if not _pinnable(path):
         raise RuntimeError(f"this CPU cannot run the {path} kernels")
-    return build(path)
+    lib = build(path)
+    try:
+        setting = prefetch_setting(path)
+    except ValueError as e:  # a bad override costs speed only: keep the kernels, say what was wrong
+        log.warning("%s; keeping the compiled prefetch distances", e)
+        setting = None
+    if setting is not None:
+        lib.specfleet_set_prefetch(*setting)
+    return lib
 
 
 def build(path: str, csrc: Path = _CSRC) -> ctypes.CDLL:

@@ -148,3 +148,35 @@ def test_control_a_changed_weight_changes_the_bits():
     a, b = run_qlinear(base, x, w), run_qlinear(base, x, other)
     assert torch.equal(a[:, :2], b[:, :2]) and not torch.equal(a[:, 2], b[:, 2])
     assert np.array_equal(a[:, 3].numpy(), b[:, 3].numpy())
+
+
+def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
+    """The x86 products' prefetch distances (speed only): the compiled default unless PREFETCH names the path and
+    vendor (Intel's 512-bit VNNI path: 4 KB for verification rows, measured on a Cascade Lake) or
+    SPECFLEET_PREFETCH overrides; a malformed override is named and ignored, and the kernels still load."""
+    monkeypatch.delenv("SPECFLEET_PREFETCH", raising=False)
+    assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel") == (4096, 4096)
+    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD") is None
+    assert native_backend.prefetch_setting("avx2", "GenuineIntel") is None
+    monkeypatch.setenv("SPECFLEET_PREFETCH", "2048,8192")
+    assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192)
+    for bad in ("8192", "a,b", "1,-1", "1,9999999"):
+        monkeypatch.setenv("SPECFLEET_PREFETCH", bad)
+        with pytest.raises(ValueError, match="SPECFLEET_PREFETCH"):
+            native_backend.prefetch_setting("avx2")
+    paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
+    if not paths:
+        pytest.skip("no x86 kernel path runs here")
+    import ctypes
+    lib = native_backend.library(paths[0])
+    distances = (ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_bytes")  # the loaded library's globals (dlopen shares)
+    before = tuple(distances)
+    try:
+        monkeypatch.setenv("SPECFLEET_PREFETCH", "1234,5678")
+        native_backend._load(paths[0])
+        assert tuple(distances) == (1234, 5678)
+        monkeypatch.setenv("SPECFLEET_PREFETCH", "oops")
+        assert native_backend._load(paths[0]) is not None
+        assert "keeping the compiled prefetch distances" in caplog.text and tuple(distances) == (1234, 5678)
+    finally:
+        lib.specfleet_set_prefetch(*before)
