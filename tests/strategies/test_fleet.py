@@ -325,6 +325,19 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
         assert model.calls == max(first, 1), (first, model.calls)
 
 
+def _stream_step(fleet, clock, r, node_cost: float) -> None:
+    """One step of a single stream: the fleet drafts for `r`, the target's step costs 1 + node_cost per node on the
+    fake clock, and the tokens the target would give are committed and fed back."""
+    trees = fleet.propose([r])
+    clock.now += 1.0 + node_cost * sum(len(t) for t in trees.values())
+    tree = trees.get(r.request_id)
+    want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
+    hit = sorted(matched_nodes(tree, want)) if tree is not None else []
+    emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
+    r.tokens += emitted
+    fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+
+
 def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.05, max_tokens=1000):
     """Requests one after another (one stream), each `steps` steps, on a target whose step costs 1 + 0.6 per node;
     a model draft that does not pay (2 steps per drafted token) and whose cache is fed `catch_up` steps a token."""
@@ -336,14 +349,7 @@ def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.0
         r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
         r.params.max_tokens = max_tokens
         for _ in range(steps):
-            trees = fleet.propose([r])
-            clock.now += 1.0 + 0.6 * sum(len(t) for t in trees.values())
-            tree = trees.get(r.request_id)
-            want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
-            hit = sorted(matched_nodes(tree, want)) if tree is not None else []
-            emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
-            r.tokens += emitted
-            fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+            _stream_step(fleet, clock, r, node_cost=0.6)
         fleet.release(r.request_id)
     return fleet, model
 
@@ -377,7 +383,7 @@ class ColdDraft(CachedDraft):
 
 def _short_requests(explore_first, requests=12, max_tokens=64, prompt=150, seed=2):
     """One stream of short requests (`max_tokens` each) on a target whose step costs 1 + 0.25 per node; a model
-    draft that pays (0.85 of its tokens right, 0.25 steps per drafted token, 0.01 a token to feed its cache)
+    draft that pays (0.85 of its tokens right, 0.15 steps per drafted token, 0.05 a token to feed its cache)
     except on its first, cold call (3x); no cheap draft. Returns the model's share of the last half's steps."""
     clock = Clock()
     model = ColdDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=seed, per_gap=0.05)
@@ -390,14 +396,7 @@ def _short_requests(explore_first, requests=12, max_tokens=64, prompt=150, seed=
         r.prompt_len = r.num_tokens
         while r.num_tokens - r.prompt_len < max_tokens:
             before = fleet.chosen["model"]
-            trees = fleet.propose([r])
-            clock.now += 1.0 + 0.25 * sum(len(t) for t in trees.values())
-            tree = trees.get(r.request_id)
-            want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
-            hit = sorted(matched_nodes(tree, want)) if tree is not None else []
-            emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
-            r.tokens += emitted
-            fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+            _stream_step(fleet, clock, r, node_cost=0.25)
             if i >= requests // 2:
                 late += fleet.chosen["model"] - before
                 total += 1
