@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from specfleet.errors import ModelLoadError, UnsupportedModelError
 from specfleet.runtime.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+    from specfleet.runtime.loading.gguf_file import GGUFFile as GGUFReader, Tensor as ReaderTensor
 
 # The GGUF archs our forward pass implements: the HF llama/qwen2/qwen3 layout, and Gemma-3's text model.
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -69,16 +70,16 @@ _DENSE_TYPES = ("F32", "F16", "BF16")
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """A `gguf.GGUFReader` for `path`, or a ModelLoadError that says the file is damaged.
+    """The header of the GGUF file at `path` (gguf_file.GGUFFile: its metadata, its tensors memory-mapped),
+    or a ModelLoadError that says the file is damaged.
 
-    GGUFReader memory-maps the file and raises bare ValueError/IndexError/etc. on garbage; a file
-    cut short can even parse and only fail when a tensor is sliced, so we also check that every
-    tensor's bytes lie inside the file.
+    The reader raises ValueError (struct.error, OSError) on garbage; we also check that every tensor's bytes
+    lie inside the file, start at the file's alignment and overlap no other tensor.
     """
-    from gguf import GGUFReader
+    from specfleet.runtime.loading.gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (corrupt, truncated or not GGUF): "
@@ -190,10 +191,12 @@ def _end_of_text_controls(reader: GGUFReader) -> list[int]:
     types, tokens = reader.fields.get("tokenizer.ggml.token_type"), reader.fields.get("tokenizer.ggml.tokens")
     if types is None or tokens is None:
         return []
-    kinds = np.asarray([types.parts[i][0] for i in types.data])
+    kinds, texts = np.asarray(types.value), tokens.value
+    if kinds.ndim != 1 or not isinstance(texts, Sequence):
+        return []
     out = []
     for i in np.nonzero(kinds == 3)[0]:
-        if i < len(tokens.data) and bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace") in END_OF_TEXT:
+        if i < len(texts) and texts[i] in END_OF_TEXT:
             out.append(int(i))
     return out
 
@@ -229,7 +232,7 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
     # The embedding's row count is authoritative: `<arch>.vocab_size` is optional metadata.
     vocab = _checked_int(int(embd.shape[-1]), "vocab_size", path, "token_embd.weight rows (the vocabulary)")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    num_tokens = len(tokens.data) if tokens is not None else 0
+    num_tokens = len(tokens.value) if tokens is not None and isinstance(tokens.value, Sequence) else 0
     if num_tokens > vocab:  # the tokenizer could give ids that index past the embedding
         raise ModelLoadError(f"{path}: the tokenizer has {num_tokens:,} tokens but token_embd.weight has only "
                              f"{vocab:,} rows; the file is corrupt")
@@ -505,7 +508,7 @@ def _check_finite_scales(tensor: ReaderTensor, path: Path) -> None:
 def _drop_mapped_pages(reader, tensor) -> None:
     """Unmap the whole pages of `tensor`'s bytes from this process (they stay in the page cache): a
     tensor that was copied would otherwise count twice in resident memory while the map lives."""
-    mm = getattr(reader.data, "_mmap", None)
+    mm = getattr(reader, "mmap", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
     page = mmap.PAGESIZE
