@@ -308,6 +308,10 @@ class Acceptance:
             out.append((out[parent] if parent >= 0 else 1.0) * self.p(ctx, depths[j], rank))
         return out
 
+    def tried(self, ctx: int, depth: int, rank: int = 0) -> float:
+        """How often (decayed) a node at `depth` and `rank` was observed in context `ctx`."""
+        return float(self.counts[self._cell(ctx, depth, rank)][1])
+
     def by_position(self, ctx: int | None = None, depth: int = 8) -> list[float]:
         """Conditional acceptance of the first child per depth (pooled over contexts unless `ctx`)."""
         if ctx is None:

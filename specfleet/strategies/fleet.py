@@ -114,6 +114,14 @@ class FleetConfig:
     # stops calling the member. At 8 streams the 0.5B was so fed during each wave's prefill phase (0.6 s of
     # drafting in a 7.7 s wave). True: invest then too (as before)
     invest_while_prefilling: bool = False
+    # an expensive member called for a greedy request drafts one token deeper than its estimates ask while that next
+    # depth has been observed fewer than this many (decayed) times in the request's context (0 = never): its depth is
+    # chosen from its own
+    # estimates, so a depth it stops drafting is never observed again. Two unlucky second tokens early on (the
+    # warm-up's) left the 0.5B's depth 2 at 0.43 against a true ~0.9; it then drafted one token a call for the rest
+    # of the run, and the fleet with it fell to 0.90x plain on one round of HumanEval (session 32). The deeper token
+    # costs a draft forward; it is observed through the target's bonus token whenever the depths above are accepted
+    explore_depth: int = 8
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
@@ -121,10 +129,10 @@ class FleetConfig:
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
-                or self.explore_first < 0:
+                or self.explore_first < 0 or self.explore_depth < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
-                                      "explore_first >= 0")
+                                      "explore_first >= 0, explore_depth >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -248,7 +256,7 @@ class FleetProposer:
                 asked = pays or (rid in forced.get(j, ()) and (self._forced_calls[j] < self.config.explore_first
                                                                or not self._costly_catch_up(r, j)))
                 if asked and not self._feed_waits(r, j, groups[j]):
-                    groups[j].append((r, k))
+                    groups[j].append((r, self._explored_depth(r, j, k)))
             planned = max(planned, len(best.tree)) if padded else planned + len(best.tree)
         self.overhead_s["decide"] += time.perf_counter() - t1
         for j, group in groups.items():
@@ -557,6 +565,17 @@ class FleetProposer:
             if len(opt.tree) and (not len(best.tree) or opt.rate > best.rate):
                 best = opt
         return best
+
+    def _explored_depth(self, r, j: int, k: int) -> int:
+        """`k`, or k + 1 while member j's depth k + 1 has been observed fewer than `explore_depth` times in r's
+        context (the cell its estimate for r reads, which may hold a depth's unlucky start while the pooled one has
+        recovered) and `r` is greedy (a sampled chain teaches only through its verified nodes, which the trim may
+        cut)."""
+        kmax = min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
+        ctx = self._context(r.request_id)[j]
+        if k < kmax and r.params.is_greedy and self.acceptance[j].tried(ctx, k + 1) < self.config.explore_depth:
+            return k + 1
+        return k
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float]:
         """(depth, rate) of the best chain member j is expected to draft for `r`."""

@@ -425,6 +425,55 @@ def test_a_draft_costs_cold_first_call_is_replaced_by_the_second():
     assert cost.per_request(4, 1.0) == pytest.approx(0.11) and cost.calls == 2
 
 
+class UnluckyDraft(FakeDraft):
+    """A FakeDraft whose first `bad` tokens below depth 1 are all wrong (an unlucky start), then right with its
+    accuracy."""
+
+    def __init__(self, *args, bad=8, **kw):
+        super().__init__(*args, **kw)
+        self.bad = bad
+
+    def propose(self, requests):
+        out = super().propose(requests)
+        for rid, tree in out.items():
+            toks = list(tree.token_ids)
+            for i in range(1, len(toks)):
+                if self.bad > 0:
+                    toks[i], self.bad = 99, self.bad - 1
+            out[rid] = DraftTree.chain(toks, self.name)
+        return out
+
+
+def _unlucky_start(explore_depth, steps=300, seed=2):
+    """One greedy stream; a model draft that pays best with 4-deep chains (0.9 of its tokens right, 0.05 steps a
+    drafted token, a node 0.25) but whose first 8 tokens below depth 1 are wrong. Returns its estimated acceptance
+    at depth 2 and the tokens it drafted per call over the last half."""
+    clock = Clock()
+    model = UnluckyDraft("model", clock, 0.9, 0.05, k=4, weights=True, seed=seed)
+    cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_depth=explore_depth), clock=clock)
+    r = FakeRequest("r0", [truth(n) for n in range(5)])
+    drafted = calls = 0
+    for s in range(steps):
+        before = model.calls
+        _stream_step(fleet, clock, r, node_cost=0.25)
+        if s >= steps // 2 and model.calls > before:
+            calls, drafted = calls + 1, drafted + model.num_speculative_tokens
+    return fleet.acceptance[0].by_position()[1], drafted / max(calls, 1)
+
+
+def test_a_depth_the_draft_stopped_drafting_after_an_unlucky_start_is_explored_again():
+    """Chain depth follows the estimates, so a depth that looked bad early is never drafted, hence never observed
+    again: without depth exploration the draft stays at one token a call for good. With it (the default), the next
+    depth is drafted until it has been seen enough in the request's context (the cell the estimate reads) to judge,
+    and the chains grow back to the depth that pays."""
+    for seed in range(4):
+        p2, per_call = _unlucky_start(explore_depth=0, seed=seed)
+        assert p2 < 0.5 and per_call < 1.5, (seed, p2, per_call)
+        p2, per_call = _unlucky_start(explore_depth=FleetConfig().explore_depth, seed=seed)
+        assert p2 > 0.75 and per_call > 3.0, (seed, p2, per_call)
+
+
 def test_no_speculation_when_nothing_pays():
     fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6)
     assert share["plain"] > 0.9, share
