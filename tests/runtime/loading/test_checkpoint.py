@@ -498,3 +498,44 @@ def test_hf_config_sizes_are_bounded_as_gguf_ones_are(tmp_path, key, value):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=rf"{key}={value}.*out of range"):
         load_checkpoint(tmp_path)
+
+
+def _same_weights(a: dict, b: dict) -> int:
+    """Asserts two checkpoints' weights are equal bit for bit; returns how many are QTensors."""
+    from specfleet.runtime.formats.qtensor import QTensor
+
+    assert a.keys() == b.keys()
+    quantized = 0
+    for name, w in a.items():
+        v = b[name]
+        if isinstance(w, QTensor):
+            quantized += 1
+            assert isinstance(v, QTensor) and (v.qtype, v.shape) == (w.qtype, w.shape), name
+            assert torch.equal(v.data, w.data), name
+        else:
+            assert torch.equal(v, w), name
+    return quantized
+
+
+def test_requantized_weights_are_kept_and_read_back_bit_for_bit(tmp_path, tmp_cache, monkeypatch):
+    """A GGUF file requantized at load (quantization='q4_0' etc.) is requantized once: a later load reads the
+    cached bytes back, the same QTensors bit for bit, without requantizing; a damaged cache entry is redone."""
+    from specfleet.runtime.loading import gguf as gguf_loader
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model("qwen2"), "qwen2")
+    firsts = {}
+    for fmt in ("q4_0", "q8_0"):
+        firsts[fmt] = first = load_checkpoint(path, quantization=fmt)
+        assert len(list((tmp_cache / "requantized").glob(f"tiny-{fmt}-*"))) == 1
+        with monkeypatch.context() as m:
+            m.setattr(gguf_loader, "requantize", lambda *a: pytest.fail("requantized again despite the cache"))
+            again = load_checkpoint(path, quantization=fmt)
+        assert again.config == first.config
+        assert _same_weights(first.weights, again.weights) >= 1  # the tiny file's Q8_0 matrices (F32 ones stay dense)
+    (entry,) = (tmp_cache / "requantized").glob("tiny-q4_0-*")
+    (entry / "weights.safetensors").write_bytes(b"junk")
+    _same_weights(firsts["q4_0"].weights, load_checkpoint(path, quantization="q4_0").weights)
+    with monkeypatch.context() as m:  # and rewritten: the next load reads it again
+        m.setattr(gguf_loader, "requantize", lambda *a: pytest.fail("requantized again despite the cache"))
+        _same_weights(firsts["q4_0"].weights, load_checkpoint(path, quantization="q4_0").weights)
