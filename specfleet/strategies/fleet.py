@@ -116,11 +116,11 @@ class FleetConfig:
     invest_while_prefilling: bool = False
     # an expensive member called for a greedy request drafts one token deeper than its estimates ask while that next
     # depth has been observed fewer than this many (decayed) times in the request's context (0 = never): its depth is
-    # chosen from its own
-    # estimates, so a depth it stops drafting is never observed again. Two unlucky second tokens early on (the
-    # warm-up's) left the 0.5B's depth 2 at 0.43 against a true ~0.9; it then drafted one token a call for the rest
-    # of the run, and the fleet with it fell to 0.90x plain on one round of HumanEval (session 32). The deeper token
-    # costs a draft forward; it is observed through the target's bonus token whenever the depths above are accepted
+    # chosen from its own estimates, so a depth it stops drafting is never observed again. Two unlucky second tokens
+    # early on (the warm-up's) left the 0.5B's depth 2 at 0.43 against a true ~0.9; it then drafted one token a call
+    # for the rest of the run, and the fleet with it fell to 0.90x plain on one round of HumanEval (session 32). The
+    # deeper token costs a draft forward; it is observed through the target's bonus token whenever the depths above
+    # are accepted
     explore_depth: int = 8
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
@@ -566,12 +566,16 @@ class FleetProposer:
                 best = opt
         return best
 
+    def _depth_cap(self, j: int) -> int:
+        """The deepest chain member j may draft: its configured depth, within the fleet's cap where one is set."""
+        return min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
+
     def _explored_depth(self, r, j: int, k: int) -> int:
         """`k`, or k + 1 while member j's depth k + 1 has been observed fewer than `explore_depth` times in r's
         context (the cell its estimate for r reads, which may hold a depth's unlucky start while the pooled one has
         recovered) and `r` is greedy (a sampled chain teaches only through its verified nodes, which the trim may
         cut)."""
-        kmax = min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
+        kmax = self._depth_cap(j)
         ctx = self._context(r.request_id)[j]
         if k < kmax and r.params.is_greedy and self.acceptance[j].tried(ctx, k + 1) < self.config.explore_depth:
             return k + 1
@@ -585,7 +589,7 @@ class FleetProposer:
         if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
             invest = self.catch_up[j].seconds(gap - 1)
             gap = 1
-        kmax = min(self.max_k[j], self.cap) if self.cap is not None else self.max_k[j]
+        kmax = self._depth_cap(j)
         best_k, best_rate, e, path = 1, 0.0, 1.0, 1.0
         for k in range(1, max(kmax, 1) + 1):
             path *= acc.p(ctx, k, 0)
