@@ -76,6 +76,7 @@ CONTEXT_CAP = 3  # contexts: 0 = no history, 1 + min(depth its last proposal mat
 
 
 PLAIN_SAMPLES = 2  # timed plain steps per batch size that _sample_plain asks for
+REPAY_MIN_STEPS = 4  # a request's steps behind a forced feed's repay test (FleetConfig.explore_repay)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,14 @@ class FleetConfig:
     # deeper token costs a draft forward; it is observed through the target's bonus token whenever the depths above
     # are accepted
     explore_depth: int = 8
+    # a forced re-measurement that would feed an expensive member a request's prompt (or a long absence) is made
+    # only where even a perfect draft could repay the feed: from the request's own steps so far, the seconds a member
+    # drafting every token right at its best depth would have saved against the best cheap candidate, per token, times
+    # the tokens the request may still generate, must exceed the feed's measured cost (and the request must have
+    # REPAY_MIN_STEPS steps behind it). It binds explore_first's calls too: on code edits (whole files in, the weightless
+    # drafts copying 8.6 tokens a step) the 0.5B was never chosen, yet its forced calls fed it 700-1400-token files,
+    # 17.3 s of a 4-request run and 10 % of its time (session 32). False: feed as explore_first and the budget allow
+    explore_repay: bool = True
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
@@ -187,6 +196,10 @@ class FleetProposer:
         self.cap: int | None = None  # a depth cap set from outside (+adaptive)
         self._ctx: dict[str, list[int]] = {}  # request id -> context per member
         self._seen: dict[tuple[str, int], int] = {}  # (request, expensive member) -> tokens when it drafted
+        # (request, expensive member not yet fed its prompt) -> [its steps, expected tokens of its best cheap options,
+        # seconds a perfect member would have saved on them] (FleetConfig.explore_repay)
+        self._repay: dict[tuple[str, int], list] = {}
+        self.num_forced_feeds_skipped = 0  # forced re-measurements no perfect draft could have repaid (explore_repay)
         self._since_called = {j: cfg.explore_every for j in self.expensive}
         self._explore_gap = {j: cfg.explore_every for j in self.expensive}
         self._forced_calls = {j: 0 for j in self.expensive}  # forced calls made so far (FleetConfig.explore_first)
@@ -244,11 +257,18 @@ class FleetProposer:
         share, planned, groups, wanted = self.steps.share(batch), 0, {j: [] for j in self.expensive}, set()
         padded = self.padded and batch > 1
         forced = {j: self._explore_sample(requests, j) for j in explore}
+        if self.config.explore_repay:
+            for j, rids in forced.items():
+                hopeless = {r.request_id for r in requests if r.request_id in rids and not self._may_feed(r, j)}
+                self.num_forced_feeds_skipped += len(hopeless)
+                rids -= hopeless
         sampled = set().union(*forced.values()) if forced else set()
         for r in requests if self.expensive else ():  # first pass: which requests an expensive draft would serve better
             rid = r.request_id
             best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=rid in sampled)
             for j in self.expensive:
+                if self.config.explore_repay and self._feeds_prompt(r, j):
+                    self._note_repay(r, j, best, share + spent[rid], planned)
                 k, rate = self._expected_chain(r, j, share + spent[rid], planned)
                 pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
                 if pays:
@@ -429,6 +449,7 @@ class FleetProposer:
         self._ctx.pop(request_id, None)
         for j in self.expensive:
             self._seen.pop((request_id, j), None)
+            self._repay.pop((request_id, j), None)
         for m in self.members:
             m.release(request_id)
 
@@ -581,6 +602,37 @@ class FleetProposer:
             return k + 1
         return k
 
+    def _perfect_rate(self, j: int, fixed: float, planned: int) -> float:
+        """Tokens per second of member j if every token it drafted were right, at its best depth: the bound no real
+        acceptance beats (its drafting at the measured per-call cost, one step's usual catch-up)."""
+        best = 0.0
+        for k in range(1, max(self._depth_cap(j), 1) + 1):
+            draft = self.draft_costs[j].per_request(k, 1) if self.steps.measured else 0.0
+            best = max(best, (k + 1) / (fixed + draft + self._extra(self._last_batch, planned, k)))
+        return best
+
+    def _note_repay(self, r, j: int, best: Option, fixed: float, planned: int) -> None:
+        """Record, for a request member j has not been fed, what a perfect j would have saved on this step against
+        `best` (the step's best cheap option, or plain decoding): the seconds of best's expected tokens at best's cost
+        less their seconds at the perfect rate, where that is less."""
+        h = self._repay.setdefault((r.request_id, j), [0, 0.0, 0.0])
+        h[0] += 1
+        h[1] += best.expected
+        h[2] += max(0.0, best.cost - best.expected / self._perfect_rate(j, fixed, planned))
+
+    def _may_feed(self, r, j: int) -> bool:
+        """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
+        feeds no prompt; else only after REPAY_MIN_STEPS of r's steps, and when a perfect j's savings per token on
+        them, times the tokens r may still generate, exceed the feed's measured cost (unmeasured: any saving). From
+        history only."""
+        if not self._feeds_prompt(r, j):
+            return True
+        h = self._repay.get((r.request_id, j))
+        if h is None or h[0] < REPAY_MIN_STEPS:
+            return False
+        invest = self.catch_up[j].seconds(self._gap(r, j) - 1) if self.catch_up[j].tokens else 0.0
+        return remaining_tokens(r) * h[2] / max(h[1], 1e-9) > invest
+
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float]:
         """(depth, rate) of the best chain member j is expected to draft for `r`."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
@@ -672,6 +724,7 @@ class FleetProposer:
             "steps": self.num_steps,
             "undrafted_steps": self.num_undrafted_steps,
             "plain_samples": self.num_plain_samples,
+            "forced_feeds_skipped": self.num_forced_feeds_skipped,
             "request_steps": self.num_request_steps,
             "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
             "d_s": {m.name: self.draft_costs[j].d for j, m in enumerate(self.members)},

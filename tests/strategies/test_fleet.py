@@ -11,7 +11,7 @@ from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.proposer import describe
 from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes
-from specfleet.strategies.fleet import FleetConfig, FleetProposer, best_subtree, merge_trees
+from specfleet.strategies.fleet import REPAY_MIN_STEPS, FleetConfig, FleetProposer, best_subtree, merge_trees
 from specfleet.core.proposer import Feedback
 from specfleet.core.tree import DraftTree
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
@@ -229,7 +229,7 @@ class CachedDraft(FakeDraft):
 
 def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
              prompt=5, catch_up=0.0, max_tokens=100_000, verify_fixed=0.0, plain_every=16, explore_requests=1,
-             explore_first=3):
+             explore_first=3, explore_repay=True):
     """A target whose step costs step * (batch + node_cost * nodes) on the fake clock, plus step * verify_fixed
     when it verifies any node."""
     clock = Clock()
@@ -240,7 +240,8 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
     else:
         model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_plain_every=plain_every,
-                                                      explore_requests=explore_requests, explore_first=explore_first),
+                                                      explore_requests=explore_requests, explore_first=explore_first,
+                                                      explore_repay=explore_repay),
                            clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
     for r in reqs:
@@ -306,8 +307,11 @@ def test_an_unpriced_catch_up_is_priced_on_one_request_first():
     model = CachedDraft("model", clock, 0.9, 0.05, k=4, weights=True, seed=2, per_gap=0.02)
     fleet = FleetProposer([model, FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)], clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(1000 + i)]) for i in range(8)]
-    fleet.propose(reqs)
-    assert len(model.cached) == 1
+    for _ in range(REPAY_MIN_STEPS + 1):  # its first call comes once a request has the steps a feed is judged on
+        fleet.propose(reqs)
+        if model.calls:
+            break
+    assert model.calls == 1 and len(model.cached) == 1
     fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=0.05, prompt=1000,
                                    catch_up=0.02, batch=8, node_cost=0.05)
     assert len(model.cached) == 8 and share["model"] > 0.9, share
@@ -317,12 +321,16 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     """The model does not pay; once its catch-up cost is timed (2 steps per token here), a forced
     re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
     plain step per token the request may still generate: past the first `explore_first` forced calls (made
-    whatever they cost, so that one call's estimates are not the last), no call is made."""
+    whatever they cost, so that one call's estimates are not the last), no call is made (explore_repay off).
+    With explore_repay (the default) not even those: once its first call has timed it (2 steps per drafted token),
+    not even a model whose every token were right could beat plain decoding, so no later feed could be repaid."""
     for first in (0, 1, 3):
-        fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
-                                       prompt=1000, catch_up=2.0, max_tokens=300, explore_first=first)
-        assert share["plain"] > 0.9, share
-        assert model.calls == max(first, 1), (first, model.calls)
+        for repay in (False, True):
+            fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
+                                           prompt=1000, catch_up=2.0, max_tokens=300, explore_first=first,
+                                           explore_repay=repay)
+            assert share["plain"] > 0.9, share
+            assert model.calls == (1 if repay else max(first, 1)), (first, repay, model.calls)
 
 
 def _stream_step(fleet, clock, r, node_cost: float) -> None:
@@ -338,13 +346,14 @@ def _stream_step(fleet, clock, r, node_cost: float) -> None:
     fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
 
 
-def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.05, max_tokens=1000):
+def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.05, max_tokens=1000, repay=False):
     """Requests one after another (one stream), each `steps` steps, on a target whose step costs 1 + 0.6 per node;
     a model draft that does not pay (2 steps per drafted token) and whose cache is fed `catch_up` steps a token."""
     clock = Clock()
     model = CachedDraft("model", clock, 0.9, 2.0, k=4, weights=True, seed=2, per_gap=catch_up)
     cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
-    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_budget=explore_budget), clock=clock)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_budget=explore_budget,
+                                                      explore_repay=repay), clock=clock)
     for i in range(requests):
         r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
         r.params.max_tokens = max_tokens
@@ -359,12 +368,47 @@ def test_forced_re_measurements_stay_inside_the_explore_budget():
     costs 0.05 plain steps per token the request may still generate: the old budget (a tenth of a step) let the
     forced re-measurements feed every new request's prompt (50 steps each, +50 % on a 100-step request), the
     budget (0.02 by default) feeds none past the first `explore_first` forced calls (made at steps 0, 32, 64 and
-    96, whatever they cost: the first request's and, as the steps fall, the second's), so 8 requests feed 2."""
+    96, whatever they cost: the first request's and, as the steps fall, the second's), so 8 requests feed 2
+    (explore_repay off: with it, feeds stop once a perfect draft could not repay them, below)."""
     fleet, model = _one_stream(0.02, requests=8)
     assert set(model.cached) <= {"r0", "r1"}, sorted(model.cached)
     assert fleet.chosen["plain"] > 0.9 * fleet.num_request_steps
     _, model = _one_stream(0.1, requests=8)  # the old budget
     assert len(model.cached) > 2
+    _, model = _one_stream(0.02, requests=8, repay=True)  # the default: the first feed times a model that cannot pay
+    assert set(model.cached) <= {"r0"}, sorted(model.cached)
+
+
+def _copying_stream(repay: bool, requests=6, steps=60):
+    """One stream of code-edit-like requests: a 1000-token prompt each (the model's feed: 20 plain steps), a cheap
+    draft right 95 % of the time at depth 6 (a whole file being copied), and a model draft that would pay against
+    plain decoding (90 % right, 0.1 steps a drafted token) but not against the cheap draft even if it were always
+    right. Returns (fleet, model, seconds on the fake clock)."""
+    clock = Clock()
+    model = CachedDraft("model", clock, 0.9, 0.1, k=4, weights=True, seed=2, per_gap=0.02)
+    cheap = FakeDraft("cheap", clock, 0.95, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_repay=repay), clock=clock)
+    for i in range(requests):
+        r = FakeRequest(f"r{i}", [truth(n) for n in range(1000 + i)])
+        r.params.max_tokens = 500
+        for _ in range(steps):
+            _stream_step(fleet, clock, r, node_cost=0.25)
+        fleet.release(r.request_id)
+    return fleet, model, clock.now
+
+
+def test_a_forced_feed_no_perfect_draft_could_repay_is_not_made():
+    """Code edits (session 32): the weightless drafts copied 8.6 tokens a step, the 0.5B was never chosen, and its
+    forced re-measurements (the first four made whatever their feed costs) fed it whole files, 10 % of the run.
+    Here the control (explore_repay off) feeds the model the prompts of its first forced calls; with the default
+    a feed is made only where a model right on every token would have saved more, on the request's steps so far,
+    than the feed costs: the first (its cost not yet measured) at most, and the stream runs faster."""
+    fleet, model, t_repay = _copying_stream(True)
+    _, control, t_control = _copying_stream(False)
+    assert len(control.cached) >= 2, sorted(control.cached)
+    assert len(model.cached) <= 1, sorted(model.cached)
+    assert fleet.fleet_report()["forced_feeds_skipped"] > 0
+    assert t_repay < t_control - 20, (t_repay, t_control)  # a prompt's feed (20 steps) saved at least
 
 
 class ColdDraft(CachedDraft):
@@ -539,7 +583,10 @@ def test_a_forced_re_measurement_feeds_the_request_with_the_most_to_gain():
     old.tokens += [truth(n) for n in range(100, 189)]  # 89 generated: 7 left
     new = FakeRequest("new", [truth(n) for n in range(250)])
     new.params.max_tokens = 96
-    fleet.propose([old, new])  # the first step: a forced call of the model (explore_every steps since its last)
+    for _ in range(REPAY_MIN_STEPS + 1):  # a forced call of the model (explore_every steps since its last), made
+        fleet.propose([old, new])  # once the requests have the steps its feed is judged on (explore_repay)
+        if model.calls:
+            break
     assert model.calls == 1 and set(model.cached) == {"new"}, model.cached
 
 def test_decisions_at_batch_three_use_each_requests_share():
@@ -684,7 +731,8 @@ def test_fleet_sampled_output_matches_target(setup, setting, seed0):  # noqa: F8
     # explore_every=1 calls the model every step, so its sampled chains (with draft distributions)
     # compete with prompt lookup's point masses every step (the model wins most of them here)
     fleet = FleetProposer([DraftModelProposer(draft, "a", DraftModelConfig(3, kv_cache_bytes=8 << 20)),
-                           PromptLookupProposer(PromptLookupConfig(3))], FleetConfig(explore_every=1),
+                           PromptLookupProposer(PromptLookupConfig(3))],
+                              FleetConfig(explore_every=1, explore_repay=False),  # both members on fresh requests
                           clock=lambda: 0.0)  # a stopped clock: choices follow acceptance alone, reproducibly
     samples, stats = generate(target, fleet, prompt, PARAMS[setting], 1200, seed0)
     assert fleet.chosen["a"] > 100 and fleet.chosen["prompt-lookup"] > 0, fleet.chosen
