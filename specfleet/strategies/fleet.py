@@ -267,9 +267,9 @@ class FleetProposer:
             rid = r.request_id
             best = self._best(r, cands[rid], share + spent[rid], planned, untrimmed=rid in sampled)
             for j in self.expensive:
+                k, rate, perfect = self._expected_chain(r, j, share + spent[rid], planned)
                 if self.config.explore_repay and self._feeds_prompt(r, j):
-                    self._note_repay(r, j, best, share + spent[rid], planned)
-                k, rate = self._expected_chain(r, j, share + spent[rid], planned)
+                    self._note_repay(r, j, best, perfect)
                 pays = rate > best.rate and rate > self.config.margin / (share + spent[rid])
                 if pays:
                     wanted.add(j)
@@ -602,23 +602,15 @@ class FleetProposer:
             return k + 1
         return k
 
-    def _perfect_rate(self, j: int, fixed: float, planned: int) -> float:
-        """Tokens per second of member j if every token it drafted were right, at its best depth: the bound no real
-        acceptance beats (its drafting at the measured per-call cost, one step's usual catch-up)."""
-        best = 0.0
-        for k in range(1, max(self._depth_cap(j), 1) + 1):
-            draft = self.draft_costs[j].per_request(k, 1) if self.steps.measured else 0.0
-            best = max(best, (k + 1) / (fixed + draft + self._extra(self._last_batch, planned, k)))
-        return best
-
-    def _note_repay(self, r, j: int, best: Option, fixed: float, planned: int) -> None:
-        """Record, for a request member j has not been fed, what a perfect j would have saved on this step against
-        `best` (the step's best cheap option, or plain decoding): the seconds of best's expected tokens at best's cost
-        less their seconds at the perfect rate, where that is less."""
+    def _note_repay(self, r, j: int, best: Option, perfect: float) -> None:
+        """Record, for a request member j has not been fed, what a perfect j (drafting at `perfect` tokens a second,
+        _expected_chain) would have saved on this step against `best` (the step's best cheap option, or plain
+        decoding): the seconds of best's expected tokens at best's cost less their seconds at the perfect rate, where
+        that is less."""
         h = self._repay.setdefault((r.request_id, j), [0, 0.0, 0.0])
         h[0] += 1
         h[1] += best.expected
-        h[2] += max(0.0, best.cost - best.expected / self._perfect_rate(j, fixed, planned))
+        h[2] += max(0.0, best.cost - best.expected / perfect) if perfect > 0 else 0.0
 
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
@@ -633,8 +625,10 @@ class FleetProposer:
         invest = self.catch_up[j].seconds(self._gap(r, j) - 1) if self.catch_up[j].tokens else 0.0
         return remaining_tokens(r) * h[2] / max(h[1], 1e-9) > invest
 
-    def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float]:
-        """(depth, rate) of the best chain member j is expected to draft for `r`."""
+    def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
+        """(depth, rate) of the best chain member j is expected to draft for `r`, and the rate at j's best depth if
+        every token it drafted were right, the feed of a request far behind left out (a bound no real acceptance
+        beats, for FleetConfig.explore_repay)."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
         gap = self._gap(r, j)
         invest = 0.0
@@ -642,17 +636,19 @@ class FleetProposer:
             invest = self.catch_up[j].seconds(gap - 1)
             gap = 1
         kmax = self._depth_cap(j)
-        best_k, best_rate, e, path = 1, 0.0, 1.0, 1.0
+        best_k, best_rate, perfect, e, path = 1, 0.0, 0.0, 1.0, 1.0
         for k in range(1, max(kmax, 1) + 1):
             path *= acc.p(ctx, k, 0)
             e += path
             draft = self.draft_costs[j].per_request(k, gap) if self.steps.measured else 0.0
+            step = fixed + draft + self._extra(self._last_batch, planned, k)
+            perfect = max(perfect, (k + 1) / step)
             if invest:
-                draft += invest / max(1.0, remaining_tokens(r) / e)
-            rate = e / (fixed + draft + self._extra(self._last_batch, planned, k))
+                step += invest / max(1.0, remaining_tokens(r) / e)
+            rate = e / step
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k, best_rate
+        return best_k, best_rate, perfect
 
     # -- learning --------------------------------------------------------------------------------
     def observe_step(self, timing) -> None:
