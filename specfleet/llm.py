@@ -19,6 +19,7 @@ from tqdm import tqdm
 from specfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from specfleet.engine.engine import Engine
 from specfleet.errors import InvalidRequestError, ModelLoadError
+from specfleet import registry
 from specfleet.registry import lookup
 from specfleet.outputs import RequestOutput
 from specfleet.runtime.loading.build import parse_device, parse_dtype
@@ -54,24 +55,34 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # per tokenizer, ~11 s): fresh code repeats idioms the request's own text has not shown yet. On a Cascade Lake
 # Xeon it made 1.19x against 1.12x on HumanEval and 1.19x against 1.16x on ShareGPT (draft_cost.py, medians of 3
 # rounds; draft-cost-cpu-20261128T133607Z, ...T134159Z). Not yet on CUDA: no GPU measured it.
-# Session 32 made the fleet with the Q4_0 0.5B beside these the default for a few hours: on an Emerald Rapids Xeon
-# it made 1.55x / 1.13x / 0.98x plain at 1 / 4 / 8 HumanEval streams against 1.34x / 1.09x / 1.01x for this fleet
-# (fleet-cpu-20261128T181719Z), but 2.11x against 2.35x on code edits (workloads-cpu-20261128T191623Z: its forced
-# calls feed whole files to the 0.5B) and 1.25x against 1.28x on ShareGPT (draft-cost-cpu-20261128T181222Z). Until
-# the fleet leaves it out where it does not pay, it stays an option (README), not the default.
-DEFAULT_DRAFT = {"cpu": "fleet(suffix,prompt-lookup,datastore)", "cuda": "fleet(suffix,prompt-lookup)"}
+# The CPU fleet also holds the 0.5B draft, requantized to Q4_0 at load (kept in the cache after the first time),
+# wherever the 0.5B is installed (`specfleet models install qwen-0.5b`; the README's first command installs it). The
+# fleet learns the 0.5B's cost from more than its first cold call, keeps exploring the depths it stopped drafting,
+# and feeds it a prompt for a forced re-measurement only where a perfect draft could repay the feed
+# (strategies/fleet.py). Session 32 made it the default, then took it back when code edits ran 2.11x against the
+# weightless fleet's 2.35x (whole files fed to the 0.5B by forced calls, workloads-cpu-20261128T191623Z). With the
+# repay rule (session 33, Emerald Rapids Xeon, avx512vnni kernels), against the weightless fleet: code edits 2.43x
+# against 2.43x (workloads-cpu-20261128T203001Z); HumanEval 1.45x against 1.28x and ShareGPT 1.24x against 1.24x
+# (draft_cost.py, medians of 3 rounds of 4 prompts; draft-cost-cpu-20261128T204642Z, ...T204922Z); 1.39x / 1.13x /
+# 1.03x against 1.31x / 1.06x / 1.02x at 1 / 4 / 8 concurrent HumanEval streams (fleet-cpu-20261128T204925Z). It
+# costs ~0.35 GB of memory and ~1.6 s of loading. Without the 0.5B installed the default is the weightless fleet.
+CPU_DRAFT_MODEL = "qwen-0.5b[quant=q4_0]"
+DEFAULT_DRAFT = {"cpu": f"fleet(suffix,prompt-lookup,datastore,{CPU_DRAFT_MODEL})", "cuda": "fleet(suffix,prompt-lookup)"}
 
 
 def default_draft(model: str, device, with_tokenizer: bool = True) -> str | None:
     """The draft `LLM()` (and the CLI's / server's `--draft default`) uses: the per-device default for the
-    default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model. A target handed in
-    without a tokenizer (`LLM.from_model`) drafts without the datastore, whose corpus is text to tokenize."""
+    default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model. The CPU default's
+    0.5B member is left out where the 0.5B is not installed. A target handed in without a tokenizer
+    (`LLM.from_model`) drafts without the datastore, whose corpus is text to tokenize."""
     try:
         if lookup(str(model)).name != DEFAULT_MODEL:
             return None
     except ModelLoadError:  # a path or an unregistered name
         return None
     draft = DEFAULT_DRAFT.get(getattr(device, "type", str(device)).split(":")[0], DEFAULT_DRAFT["cuda"])
+    if f",{CPU_DRAFT_MODEL}" in draft and not registry.is_installed(CPU_DRAFT_MODEL.split("[")[0]):
+        draft = draft.replace(f",{CPU_DRAFT_MODEL}", "")
     return draft if with_tokenizer else draft.replace(",datastore", "")
 _USE_DEFAULT = object()
 
