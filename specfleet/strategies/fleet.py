@@ -610,7 +610,7 @@ class FleetProposer:
         h = self._repay.setdefault((r.request_id, j), [0, 0.0, 0.0])
         h[0] += 1
         h[1] += best.expected
-        h[2] += max(0.0, best.cost - best.expected / perfect) if perfect > 0 else 0.0
+        h[2] += max(0.0, best.cost - best.expected / perfect)
 
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
@@ -622,7 +622,7 @@ class FleetProposer:
         h = self._repay.get((r.request_id, j))
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
-        invest = self.catch_up[j].seconds(self._gap(r, j) - 1) if self.catch_up[j].tokens else 0.0
+        invest = self.catch_up[j].seconds(self._gap(r, j) - 1)  # 0 until a catch-up was timed
         return remaining_tokens(r) * h[2] / max(h[1], 1e-9) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
