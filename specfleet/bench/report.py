@@ -20,8 +20,10 @@ def machine_info(device: str = "cpu") -> dict:
     info = {
         "hostname_class": platform.machine(),
         "cpu": _cpu_name(),
+        "cpu_family_model": _cpu_family_model(),
         "isa": cpu_isa(),
         "kernel_isa": kernel_isa(),
+        "kernel_tuning": kernel_tuning(),
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default)"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
@@ -64,6 +66,31 @@ def kernel_isa() -> str:
         return f"none ({e})"
 
 
+def kernel_tuning() -> dict | None:
+    """The kernels' speed settings in this process (prefetch distances, the fewest rows in weight-row groups)."""
+    from specfleet.runtime.backends.native import kernels as native_backend
+
+    try:
+        return native_backend.tuning()
+    except ValueError:  # a SPECFLEET_ISA this CPU cannot run
+        return None
+
+
+def _cpu_family_model() -> str:
+    """"family F model M" from /proc/cpuinfo (a model name such as "AMD EPYC" does not tell Zen 3 from Zen 4)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if len(fields) == 2:
+                break
+    except OSError:
+        pass
+    return f"family {fields['cpu family']} model {fields['model']}" if len(fields) == 2 else "unknown"
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -95,11 +122,18 @@ def run_metadata(name: str, device: str = "cpu", dtype: str = "", command: str |
 def markdown_header(meta: dict) -> str:
     m, device = meta["machine"], meta["machine"]["device"]
     return (f"# {meta['benchmark']}\n\n- command: `{meta['command']}`\n- when (UTC): {meta['timestamp_utc']}\n"
-            f"- machine: {m['cpu']} ({'+'.join(m.get('isa', [])) or 'ISA unknown'}; kernels: {m.get('kernel_isa', '?')}), "
+            f"- machine: {m['cpu']} ({m.get('cpu_family_model', '?')}; {'+'.join(m.get('isa', [])) or 'ISA unknown'}; "
+            f"kernels: {m.get('kernel_isa', '?')}{_tuning_text(m.get('kernel_tuning'))}), "
             f"{m['cpu_count']} cores, "
             f"torch threads {m['torch_threads']}, OMP_WAIT_POLICY {m.get('omp_wait_policy', '-')}"
             f"{', GPU ' + m['gpu'] if 'gpu' in m else ''}\n- device: {device}, dtype: {meta['dtype']}\n"
             f"- versions: python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}\n\n")
+
+
+def _tuning_text(t: dict | None) -> str:
+    if not t:
+        return ""
+    return f", prefetch {t['prefetch_bytes'][0]}/{t['prefetch_bytes'][1]} B, weight-row groups from {t['group_min_rows']} rows"
 
 
 def result_path(meta: dict) -> Path:

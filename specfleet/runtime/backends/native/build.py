@@ -48,6 +48,16 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
+def cpu_family() -> int | None:
+    """The CPU's family number as /proc/cpuinfo gives it (AMD: 25 for Zen 3 and Zen 4, 26 for Zen 5); None where
+    it gives none."""
+    try:
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("cpu family")), "")
+        return int(line.split(":", 1)[1]) if ":" in line else None
+    except (OSError, ValueError):
+        return None
+
+
 def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 

@@ -77,8 +77,8 @@ def flags(path: str) -> list[str]:
 
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
-# 8: specfleet_set_prefetch
-ABI = 8
+# 8: specfleet_set_prefetch; 9: specfleet_set_grouping
+ABI = 9
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -106,6 +106,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_q_abi": ([], _int),
     "specfleet_q_isa": ([], ctypes.c_char_p),
     "specfleet_set_prefetch": ([_i64, _i64], None),
+    "specfleet_set_grouping": ([_i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
@@ -164,13 +165,31 @@ def isa(wanted: str | None = None) -> str | None:
 # How far ahead the x86 products prefetch weights (csrc/arch/x86/x86.h stream_ahead), for one activation row and for
 # more, where it differs from the body's compiled default (quants_k.c: 4 KB and 16 KB on the 512-bit VNNI path,
 # measured on a Zen 5). On a Cascade Lake Xeon 16 KB made 2-9 verification rows 5-10 % slower than 4-8 KB (c(4) 1.66
-# against 1.55; benchmarks/kernels/prefetch.py, benchmarks/RESULTS.md, session 31). Keyed by ISA path and vendor.
-PREFETCH: dict[tuple[str, str], tuple[int, int]] = {("avx512vnni", "GenuineIntel"): (4096, 4096)}
+# against 1.55; benchmarks/kernels/prefetch.py, benchmarks/RESULTS.md, session 31), and on a Zen 4 (AMD family 25 with
+# AVX512) 4 KB gave 2-9 rows 4-10 % faster forwards than 8-16 KB (session 34). Keyed by ISA path, vendor and CPU
+# family (None: any family of the vendor).
+PREFETCH: dict[tuple[str, str, int | None], tuple[int, int]] = {
+    ("avx512vnni", "GenuineIntel", None): (4096, 4096),
+    ("avx512vnni", "AuthenticAMD", 25): (4096, 4096),
+}
+# The fewest activation rows for which the products take weight rows in pairs and fours (csrc/q_common.h
+# sf_group_min_rows; compiled default 2), where it differs. On a Zen 4, whose 512-bit units run each instruction in two
+# 256-bit halves, pairs and fours made the 1.5B's 2-row forward cost 1.68-1.81 decode steps against 1.17-1.18 row by
+# row, and 5 rows 2.05-2.26 against 1.70-1.77; from 9 rows the fours win again (benchmarks/kernels/prefetch.py
+# --group, session 34). Keyed as PREFETCH.
+GROUP_ROWS: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 25): 6}
 
 
-def prefetch_setting(path: str, vendor: str | None = None) -> tuple[int, int] | None:
+def _tuned(table: dict, path: str, vendor: str | None, family: int | None):
+    vendor = native.cpu_vendor() if vendor is None else vendor
+    family = native.cpu_family() if family is None else family
+    return table.get((path, vendor, family), table.get((path, vendor, None)))
+
+
+def prefetch_setting(path: str, vendor: str | None = None, family: int | None = None) -> tuple[int, int] | None:
     """(one row, more rows) prefetch distances in bytes for ISA path `path` on this CPU: SPECFLEET_PREFETCH
-    ("ONE,MANY") where set, else PREFETCH's entry for the path and the CPU's vendor; None keeps the compiled default."""
+    ("ONE,MANY") where set, else PREFETCH's entry for the path and the CPU's vendor and family; None keeps the
+    compiled default."""
     env = os.environ.get("SPECFLEET_PREFETCH", "").strip()
     if env:
         try:
@@ -180,7 +199,22 @@ def prefetch_setting(path: str, vendor: str | None = None) -> tuple[int, int] | 
         if not (0 <= one <= 1 << 20 and 0 <= many <= 1 << 20):
             raise ValueError(f"SPECFLEET_PREFETCH={env!r}: distances must lie in [0, {1 << 20}] bytes")
         return one, many
-    return PREFETCH.get((path, native.cpu_vendor() if vendor is None else vendor))
+    return _tuned(PREFETCH, path, vendor, family)
+
+
+def group_rows_setting(path: str, vendor: str | None = None, family: int | None = None) -> int | None:
+    """The fewest activation rows for which weight rows go in pairs and fours on ISA path `path` on this CPU:
+    SPECFLEET_GROUP_ROWS where set (an integer >= 2), else GROUP_ROWS' entry; None keeps the compiled default (2)."""
+    env = os.environ.get("SPECFLEET_GROUP_ROWS", "").strip()
+    if env:
+        try:
+            rows = int(env)
+        except ValueError:
+            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: expected a number of activation rows (>= 2)") from None
+        if not 2 <= rows <= 1 << 20:
+            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: must lie in [2, {1 << 20}]")
+        return rows
+    return _tuned(GROUP_ROWS, path, vendor, family)
 
 
 def _load(path: str) -> ctypes.CDLL:
@@ -197,7 +231,24 @@ def _load(path: str) -> ctypes.CDLL:
         setting = None
     if setting is not None:
         lib.specfleet_set_prefetch(*setting)
+    try:
+        rows = group_rows_setting(path)
+    except ValueError as e:
+        log.warning("%s; keeping the compiled grouping", e)
+        rows = None
+    if rows is not None:
+        lib.specfleet_set_grouping(rows)
     return lib
+
+
+def tuning(path: str | None = None) -> dict | None:
+    """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
+    distances (one row, more rows) and the fewest rows that go in weight-row groups; None where it is not loaded."""
+    lib = library(path)
+    if lib is None:
+        return None
+    return {"prefetch_bytes": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_bytes")),
+            "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value}
 
 
 def build(path: str, csrc: Path = _CSRC) -> ctypes.CDLL:

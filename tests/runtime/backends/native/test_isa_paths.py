@@ -58,18 +58,25 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [5, 13, 28])  # 32-weight formats: a tail group of 5; one group of 8 and a tail
 # of 5; three groups of 8 and one of 4
-def test_every_path_gives_the_avx2_bits(path, qtype, blocks):
+@pytest.mark.parametrize("group_rows", [2, 7])  # weight rows in groups from 2 activation rows (the compiled default)
+# or row by row below 7 (a Zen 4's setting is 6): whichever the CPU's setting, both ways are checked
+def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
     if blocks != 5 and block_of(qtype) == 256:
         pytest.skip("K formats: five blocks cover them")
     k = blocks * block_of(qtype)
     torch.manual_seed(int(qtype))
     x = torch.randn(33, k) * torch.logspace(-2, 1, k)  # activations of very different sizes per block
-    for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
-        w = random_blocks(qtype, n, k, seed=3)
-        want = run_qlinear(base, x, w)
-        for m in (1, 2, 7, 8, 9, 16, 17, 32, 33):  # decode, tile tails (TILE 8, QUAD_TILE 16), several tiles
-            assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m} n={n}"
+    before = native_backend.tuning(path)["group_min_rows"]
+    fast.specfleet_set_grouping(group_rows)
+    try:
+        for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
+            w = random_blocks(qtype, n, k, seed=3)
+            want = run_qlinear(base, x, w)
+            for m in (1, 2, 5, 7, 8, 9, 16, 17, 32, 33):  # decode, tile tails (TILE 8, QUAD_TILE 16), several tiles
+                assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m} n={n}"
+    finally:
+        fast.specfleet_set_grouping(before)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS)
@@ -155,9 +162,10 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
     vendor (Intel's 512-bit VNNI path: 4 KB for verification rows, measured on a Cascade Lake) or
     SPECFLEET_PREFETCH overrides; a malformed override is named and ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_PREFETCH", raising=False)
-    assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel") == (4096, 4096)
-    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD") is None
-    assert native_backend.prefetch_setting("avx2", "GenuineIntel") is None
+    assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel", 6) == (4096, 4096)
+    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 26) is None  # Zen 5: the compiled default
+    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 25) == (4096, 4096)  # Zen 4
+    assert native_backend.prefetch_setting("avx2", "GenuineIntel", 6) is None
     monkeypatch.setenv("SPECFLEET_PREFETCH", "2048,8192")
     assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192)
     for bad in ("8192", "a,b", "1,-1", "1,9999999"):
@@ -180,3 +188,36 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
         assert "keeping the compiled prefetch distances" in caplog.text and tuple(distances) == (1234, 5678)
     finally:
         lib.specfleet_set_prefetch(*before)
+
+
+def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
+    """From how many activation rows weight rows go in pairs and fours (speed only; the bits are checked both ways
+    above): the compiled 2 unless GROUP_ROWS names the path, vendor and family (a Zen 4: 6) or SPECFLEET_GROUP_ROWS
+    overrides; a malformed override is named and ignored, and the kernels still load."""
+    monkeypatch.delenv("SPECFLEET_GROUP_ROWS", raising=False)
+    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 25) == 6
+    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 26) is None
+    assert native_backend.group_rows_setting("avx512vnni", "GenuineIntel", 6) is None
+    assert native_backend.group_rows_setting("avx2", "AuthenticAMD", 25) is None
+    monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "9")
+    assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == 9
+    for bad in ("x", "1", "4,5", str(1 << 21)):
+        monkeypatch.setenv("SPECFLEET_GROUP_ROWS", bad)
+        with pytest.raises(ValueError, match="SPECFLEET_GROUP_ROWS"):
+            native_backend.group_rows_setting("avx2")
+    paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
+    if not paths:
+        pytest.skip("no x86 kernel path runs here")
+    before = native_backend.tuning(paths[0])["group_min_rows"]
+    lib = native_backend.library(paths[0])
+    try:
+        monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "11")
+        native_backend._load(paths[0])
+        assert native_backend.tuning(paths[0])["group_min_rows"] == 11
+        monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "oops")
+        assert native_backend._load(paths[0]) is not None
+        assert "keeping the compiled grouping" in caplog.text and native_backend.tuning(paths[0])["group_min_rows"] == 11
+        lib.specfleet_set_grouping(0)  # below 2 means 2
+        assert native_backend.tuning(paths[0])["group_min_rows"] == 2
+    finally:
+        lib.specfleet_set_grouping(before)

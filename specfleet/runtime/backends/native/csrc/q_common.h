@@ -30,6 +30,10 @@
 
 /* The work split, shared by every product (q_linear.c, fused_linear.c). Which values they take changes
  * speed only, never a result. */
+/* the fewest activation rows a call must have for the weight rows to go two or four at a time
+ * (DEFINE_COLUMNS_PAIRED / _QUAD below); fewer go row by row. Settable at run time (specfleet_set_grouping): on a
+ * Zen 4, where 512-bit work runs in two halves, pairs and fours made 2-5 rows cost far more than row by row. */
+extern int64_t sf_group_min_rows;
 extern int64_t sf_prefetch_bytes[2]; /* each body's: prefetch distance for one activation row, for more */
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 /* the same for DEFINE_COLUMNS_QUAD (four weight rows unpacked at once): 16 rows share each unpack, which made the
@@ -415,7 +419,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
-        if (c1 - c0 > 1)                                                                          \
+        if (c1 - c0 > 1 && c1 - c0 >= sf_group_min_rows) /* else row by row */                 \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
@@ -457,7 +461,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,        \
                      const float *bias, int accumulate) {                                          \
-        if (c1 - c0 == 1) { /* one row (decode) reads fastest a row or two at a time */            \
+        if (c1 - c0 == 1 || c1 - c0 < sf_group_min_rows) { /* decode reads fastest row by row */ \
             NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
             return;                                                                                \
         }                                                                                          \

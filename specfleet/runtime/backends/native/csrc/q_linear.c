@@ -49,7 +49,12 @@ void specfleet_set_prefetch(int64_t one_row, int64_t many_rows) {
     if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_bytes[1] = many_rows;
 }
 
-int specfleet_q_abi(void) { return 8; } /* runtime/backends/native/kernels.py ABI */
+/* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h); fewer go
+ * row by row. Below 2 means 2. Changes no result. */
+int64_t sf_group_min_rows = 2;
+void specfleet_set_grouping(int64_t min_rows) { sf_group_min_rows = min_rows < 2 ? 2 : min_rows; }
+
+int specfleet_q_abi(void) { return 9; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }
