@@ -17,10 +17,12 @@ RESULTS_DIR = Path(os.environ.get("SPECFLEET_RESULTS_DIR", Path(__file__).resolv
 
 
 def machine_info(device: str = "cpu") -> dict:
+    from specfleet.runtime.backends.native.build import cpu_family_model
+
     info = {
         "hostname_class": platform.machine(),
         "cpu": _cpu_name(),
-        "cpu_family_model": _cpu_family_model(),
+        "cpu_family_model": cpu_family_model(),
         "isa": cpu_isa(),
         "kernel_isa": kernel_isa(),
         "kernel_tuning": kernel_tuning(),
@@ -74,21 +76,6 @@ def kernel_tuning() -> dict | None:
         return native_backend.tuning()
     except ValueError:  # a SPECFLEET_ISA this CPU cannot run
         return None
-
-
-def _cpu_family_model() -> str:
-    """"family F model M" from /proc/cpuinfo (a model name such as "AMD EPYC" does not tell Zen 3 from Zen 4)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-            if len(fields) == 2:
-                break
-    except OSError:
-        pass
-    return f"family {fields['cpu family']} model {fields['model']}" if len(fields) == 2 else "unknown"
 
 
 def _cpu_name() -> str:

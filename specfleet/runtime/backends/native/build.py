@@ -39,23 +39,35 @@ def cpu_flags() -> frozenset[str]:
     return _cpu_flags
 
 
+def _cpuinfo(field: str) -> str:
+    """The first value /proc/cpuinfo gives for `field` (`vendor_id`, `cpu family`, `model`); "" where it gives none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == field:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it (`GenuineIntel`, `AuthenticAMD`; "" where it says none)."""
-    try:
-        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("vendor_id")), "")
-    except OSError:
-        line = ""
-    return line.split(":", 1)[1].strip() if ":" in line else ""
+    return _cpuinfo("vendor_id")
 
 
 def cpu_family() -> int | None:
     """The CPU's family number as /proc/cpuinfo gives it (AMD: 25 for Zen 3 and Zen 4, 26 for Zen 5); None where
     it gives none."""
-    try:
-        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("cpu family")), "")
-        return int(line.split(":", 1)[1]) if ":" in line else None
-    except (OSError, ValueError):
-        return None
+    value = _cpuinfo("cpu family")
+    return int(value) if value.isdigit() else None
+
+
+def cpu_family_model() -> str:
+    """"family F model M" (a model name such as "AMD EPYC" does not tell a Zen 3 from a Zen 4); "unknown" where
+    /proc/cpuinfo gives neither."""
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    return f"family {family} model {model}" if family and model else "unknown"
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -419,7 +419,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
-        if (c1 - c0 > 1 && c1 - c0 >= sf_group_min_rows) /* else row by row */                 \
+        if (c1 - c0 >= sf_group_min_rows) /* (>= 2); else row by row */                         \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
@@ -461,7 +461,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,        \
                      const float *bias, int accumulate) {                                          \
-        if (c1 - c0 == 1 || c1 - c0 < sf_group_min_rows) { /* decode reads fastest row by row */ \
+        if (c1 - c0 < sf_group_min_rows) { /* decode (one row) reads fastest row by row */     \
             NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
             return;                                                                                \
         }                                                                                          \
