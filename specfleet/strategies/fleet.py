@@ -131,6 +131,13 @@ class FleetConfig:
     # drafts copying 8.6 tokens a step) the 0.5B was never chosen, yet its forced calls fed it 700-1400-token files,
     # 17.3 s of a 4-request run and 10 % of its time (session 32). False: feed as explore_first and the budget allow
     explore_repay: bool = True
+    # before an expensive member's catch-up (a prompt fed to its cache) has been timed, each token of it is priced at
+    # this share of a plain step at batch 1 (0 = free until timed, as before). The 0.5B's catch-up beside the 1.5B
+    # measured 0.03-0.15 of a step a token on 2 CPU cores (0.04-0.09 mostly); priced free, its first feed was made
+    # by a tool loop's first step: ~1,400 prompt tokens (4.2 s) for a call that answered in ~20 tokens, once a
+    # round, and the default fleet ran at 0.82x plain (BFCL multi-turn, Zen 4, session 34). A forced re-measurement
+    # that could repay the prior's price (explore_repay) still times the real cost, after which the prior is unused
+    prior_catch_up: float = 0.1
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
@@ -138,10 +145,10 @@ class FleetConfig:
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
-                or self.explore_first < 0 or self.explore_depth < 0:
+                or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
-                                      "explore_first >= 0, explore_depth >= 0")
+                                      "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -510,10 +517,17 @@ class FleetProposer:
         the fleet holding the 0.5B ran at 0.73x plain. With a long horizon ahead the re-measurement stays cheap
         and keeps an early, pessimistic estimate from sticking."""
         gap = self._gap(r, j)
-        if not self.catch_up[j].tokens or gap <= self._far(j) or not self.steps.measured:
+        if gap <= self._far(j) or not self.steps.measured:
             return False
-        per_step = self.catch_up[j].seconds(gap - 1) / remaining_tokens(r)
+        per_step = self._catch_up_seconds(j, gap - 1) / remaining_tokens(r)
         return per_step > self.config.explore_budget * self.steps.share(self._last_batch)
+
+    def _catch_up_seconds(self, j: int, tokens: int) -> float:
+        """Expected seconds (step units before any step is timed) of member j catching up `tokens` tokens: its timed
+        cost per token, or before one was timed `prior_catch_up` of a plain step at batch 1 per token."""
+        if self.catch_up[j].tokens:
+            return self.catch_up[j].seconds(tokens)
+        return self.config.prior_catch_up * self.steps.share(1) * max(tokens, 0)
 
     def _feeds_prompt(self, r, j: int) -> bool:
         """Whether calling member j for `r` would first feed its cache a prompt's worth of tokens (a new request, a
@@ -615,14 +629,14 @@ class FleetProposer:
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
         feeds no prompt; else only after REPAY_MIN_STEPS of r's steps, and when a perfect j's savings per token on
-        them, times the tokens r may still generate, exceed the feed's measured cost (unmeasured: any saving). From
-        history only."""
+        them, times the tokens r may still generate, exceed the feed's cost (measured, or before that the prior's,
+        _catch_up_seconds). From history only."""
         if not self._feeds_prompt(r, j):
             return True
         h = self._repay.get((r.request_id, j))
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
-        invest = self.catch_up[j].seconds(self._gap(r, j) - 1)  # 0 until a catch-up was timed
+        invest = self._catch_up_seconds(j, self._gap(r, j) - 1)
         return remaining_tokens(r) * h[2] / max(h[1], 1e-9) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
@@ -633,7 +647,7 @@ class FleetProposer:
         gap = self._gap(r, j)
         invest = 0.0
         if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
-            invest = self.catch_up[j].seconds(gap - 1)
+            invest = self._catch_up_seconds(j, gap - 1)
             gap = 1
         kmax = self._depth_cap(j)
         best_k, best_rate, perfect, e, path = 1, 0.0, 0.0, 1.0, 1.0

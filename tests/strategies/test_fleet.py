@@ -229,7 +229,7 @@ class CachedDraft(FakeDraft):
 
 def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, node_cost=0.25, step=1.0,
              prompt=5, catch_up=0.0, max_tokens=100_000, verify_fixed=0.0, plain_every=16, explore_requests=1,
-             explore_first=3, explore_repay=True):
+             explore_first=3, explore_repay=True, prior_catch_up=FleetConfig.prior_catch_up):
     """A target whose step costs step * (batch + node_cost * nodes) on the fake clock, plus step * verify_fixed
     when it verifies any node."""
     clock = Clock()
@@ -241,7 +241,7 @@ def simulate(cheap_accuracy, model_accuracy, model_cost, steps=300, batch=1, nod
         model = FakeDraft("model", clock, model_accuracy, model_cost * step, k=4, weights=True, seed=2)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_plain_every=plain_every,
                                                       explore_requests=explore_requests, explore_first=explore_first,
-                                                      explore_repay=explore_repay),
+                                                      explore_repay=explore_repay, prior_catch_up=prior_catch_up),
                            clock=clock)
     reqs = [FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)]) for i in range(batch)]
     for r in reqs:
@@ -322,15 +322,20 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
     plain step per token the request may still generate: past the first `explore_first` forced calls (made
     whatever they cost, so that one call's estimates are not the last), no call is made (explore_repay off).
-    With explore_repay (the default) not even those: once its first call has timed it (2 steps per drafted token),
-    not even a model whose every token were right could beat plain decoding, so no later feed could be repaid."""
+    With explore_repay (the default) not even those: the prior price of the 1000-token feed (a tenth of a step a
+    token, FleetConfig.prior_catch_up) is more than a perfect draft could save on 300 tokens, so the model is never
+    fed; priced free until timed (prior 0), its first call times it (2 steps per drafted token), and then not even a
+    model whose every token were right could beat plain decoding, so no later feed could be repaid."""
     for first in (0, 1, 3):
-        for repay in (False, True):
+        for repay, prior in ((False, 0.1), (True, 0.1), (True, 0.0)):
             fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
                                            prompt=1000, catch_up=2.0, max_tokens=300, explore_first=first,
-                                           explore_repay=repay)
+                                           explore_repay=repay, prior_catch_up=prior)
             assert share["plain"] > 0.9, share
-            assert model.calls == (1 if repay else max(first, 1)), (first, repay, model.calls)
+            if repay and prior:
+                assert model.calls <= 1, (first, prior, model.calls)
+            else:
+                assert model.calls == (1 if repay else max(first, 1)), (first, repay, prior, model.calls)
 
 
 def _stream_step(fleet, clock, r, node_cost: float) -> None:
@@ -427,12 +432,14 @@ class ColdDraft(CachedDraft):
 
 def _short_requests(explore_first, requests=12, max_tokens=64, prompt=150, seed=2):
     """One stream of short requests (`max_tokens` each) on a target whose step costs 1 + 0.25 per node; a model
-    draft that pays (0.85 of its tokens right, 0.15 steps per drafted token, 0.05 a token to feed its cache)
-    except on its first, cold call (3x); no cheap draft. Returns the model's share of the last half's steps."""
+    draft that pays (0.85 of its tokens right, 0.15 steps per drafted token, 0.05 a token to feed its cache, which
+    the fleet's prior prices right before it is timed) except on its first, cold call (3x); no cheap draft.
+    Returns the model's share of the last half's steps."""
     clock = Clock()
     model = ColdDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=seed, per_gap=0.05)
     cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
-    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_first=explore_first), clock=clock)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_first=explore_first,
+                                                      prior_catch_up=0.05), clock=clock)
     late = total = 0
     for i in range(requests):
         r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
@@ -457,6 +464,38 @@ def test_a_first_cold_call_is_not_the_last_word_on_a_draft_model():
     for seed in range(6):
         assert _short_requests(explore_first=1, seed=seed) < 0.1, seed
         assert _short_requests(explore_first=FleetConfig().explore_first, seed=seed) > 0.8, seed
+
+
+def _tool_loop(prior_catch_up: float, requests=6, prompt=1400, answer=20):
+    """One stream of tool-loop-like requests: a 1400-token prompt each (the conversation and the tool's result), a
+    64-token limit, and an answer of `answer` tokens (a short call, then end of text); a cheap draft right half the
+    time and a model draft right 85 % of the time at 0.15 steps a drafted token, whose cache costs 0.06 steps a
+    token to feed (the 0.5B beside the 1.5B on a CPU): 84 steps per prompt, more than any 64-token answer could
+    repay. Returns (model, seconds on the fake clock)."""
+    clock = Clock()
+    model = CachedDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=2, per_gap=0.06)
+    cheap = FakeDraft("cheap", clock, 0.5, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(prior_catch_up=prior_catch_up), clock=clock)
+    for i in range(requests):
+        r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
+        r.params.max_tokens = 64
+        start = r.num_tokens
+        while r.num_tokens - start < answer:
+            _stream_step(fleet, clock, r, node_cost=0.25)
+        fleet.release(r.request_id)
+    return model, clock.now
+
+
+def test_an_untimed_catch_up_is_priced_by_the_prior():
+    """BFCL tool loops on a Zen 4 (session 34): priced free until timed, the 0.5B was fed a ~1,400-token prompt on
+    a tool loop's first step (4.2 s) for an answer of ~20 tokens, and the default fleet ran at 0.82x plain. Here the
+    control (prior 0: the feed free until timed) feeds the model the first request's prompt, 84 steps; with the
+    default prior (a tenth of a step a token) no prompt is fed, and the stream of six requests takes less time."""
+    control, t_control = _tool_loop(0.0)
+    model, t_prior = _tool_loop(FleetConfig().prior_catch_up)
+    assert control.cached, "the control must feed a prompt"
+    assert not model.cached, sorted(model.cached)
+    assert t_prior < t_control - 50, (t_prior, t_control)
 
 
 def test_a_draft_costs_cold_first_call_is_replaced_by_the_second():
