@@ -620,11 +620,14 @@ class FleetProposer:
         """Record, for a request member j has not been fed, what a perfect j (drafting at `perfect` tokens a second,
         _expected_chain) would have saved on this step against `best` (the step's best cheap option, or plain
         decoding): the seconds of best's expected tokens at best's cost less their seconds at the perfect rate, where
-        that is less."""
+        that is less, kept in plain steps (a request's share at the step's batch size): before any step is timed the
+        costs are in step units, and summed with later seconds they had made a tool loop's first two steps (1.1
+        'seconds' each) read as a saving of 0.11 s a token on a 0.04 s step, which fed the 0.5B a 1,400-token
+        prompt for a 20-token answer (BFCL multi-turn, Zen 4)."""
         h = self._repay.setdefault((r.request_id, j), [0, 0.0, 0.0])
         h[0] += 1
         h[1] += best.expected
-        h[2] += max(0.0, best.cost - best.expected / perfect)
+        h[2] += max(0.0, best.cost - best.expected / perfect) / self.steps.share(self._last_batch)
 
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
@@ -637,7 +640,7 @@ class FleetProposer:
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
         invest = self._catch_up_seconds(j, self._gap(r, j) - 1)
-        return remaining_tokens(r) * h[2] / max(h[1], 1e-9) > invest
+        return remaining_tokens(r) * h[2] / max(h[1], 1e-9) * self.steps.share(self._last_batch) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
         """(depth, rate) of the best chain member j is expected to draft for `r`, and the rate at j's best depth if
