@@ -138,6 +138,13 @@ class FleetConfig:
     # round, and the default fleet ran at 0.82x plain (BFCL multi-turn, Zen 4, session 34). A forced re-measurement
     # that could repay the prior's price (explore_repay) still times the real cost, after which the prior is unused
     prior_catch_up: float = 0.1
+    # a member's first feed (its catch-up not yet timed) buys its first measurement for every later request, so a
+    # forced re-measurement may make it where a perfect draft saves anything on the request so far (explore_repay)
+    # and the feed's prior price is at most this share of the request's remaining plain time: a HumanEval prompt
+    # (~150 tokens, ~15 steps at the prior, ~90 tokens to go) is fed, a tool loop's (~1,400 tokens, ~140 steps, at
+    # most 64 to go) is not. Judged by the request's own repay test alone, with the prior's price the 0.5B was fed
+    # on no HumanEval round and the default fleet ran at 0.92x the tree before (Zen 4)
+    first_feed_share: float = 0.5
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
@@ -145,10 +152,12 @@ class FleetConfig:
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
-                or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0:
+                or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0 \
+                or not self.first_feed_share >= 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
-                                      "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0")
+                                      "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0, "
+                                      "first_feed_share >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -632,14 +641,17 @@ class FleetProposer:
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
         feeds no prompt; else only after REPAY_MIN_STEPS of r's steps, and when a perfect j's savings per token on
-        them, times the tokens r may still generate, exceed the feed's cost (measured, or before that the prior's,
-        _catch_up_seconds). From history only."""
+        them, times the tokens r may still generate, exceed the feed's measured cost; before j's catch-up was timed,
+        when a perfect j saves anything and the feed's prior price (_catch_up_seconds) is at most `first_feed_share`
+        of r's remaining plain time. From history only."""
         if not self._feeds_prompt(r, j):
             return True
         h = self._repay.get((r.request_id, j))
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
         invest = self._catch_up_seconds(j, self._gap(r, j) - 1)
+        if not self.catch_up[j].tokens:  # the first feed (FleetConfig.first_feed_share)
+            return h[2] > 0 and invest <= self.config.first_feed_share * remaining_tokens(r) * self.steps.share(1)
         return remaining_tokens(r) * h[2] / max(h[1], 1e-9) * self.steps.share(self._last_batch) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
