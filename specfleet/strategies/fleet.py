@@ -138,13 +138,13 @@ class FleetConfig:
     # round, and the default fleet ran at 0.82x plain (BFCL multi-turn, Zen 4, session 34). A forced re-measurement
     # that could repay the prior's price (explore_repay) still times the real cost, after which the prior is unused
     prior_catch_up: float = 0.1
-    # a member's first feed (its catch-up not yet timed) buys its first measurement for every later request, so a
-    # forced re-measurement may make it where a perfect draft saves anything on the request so far (explore_repay)
-    # and the feed's prior price is at most this share of the request's remaining plain time: a HumanEval prompt
-    # (~150 tokens, ~15 steps at the prior, ~90 tokens to go) is fed, a tool loop's (~1,400 tokens, ~140 steps, at
-    # most 64 to go) is not. Judged by the request's own repay test alone, with the prior's price the 0.5B was fed
-    # on no HumanEval round and the default fleet ran at 0.92x the tree before (Zen 4)
-    first_feed_share: float = 0.5
+    # an untimed feed whose prior price is within this many plain steps counts as free, as every untimed feed did
+    # before the prior: a member's first feed buys its first measurement, for this request and every later one, so a
+    # bounded one-off cost is worth it whatever the request (a HumanEval prompt, ~150 tokens: ~15 steps at the prior,
+    # fed as before, in the warm-up where there is one). A dearer feed (a tool loop's ~1,400 tokens) is priced at the
+    # prior. With every untimed feed priced, the 0.5B went unfed on two of four HumanEval rounds and the default ran at
+    # 0.88-0.92x the tree before (Zen 4)
+    first_feed_steps: float = 32.0
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
@@ -153,11 +153,11 @@ class FleetConfig:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
                 or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0 \
-                or not self.first_feed_share >= 0:
+                or not self.first_feed_steps >= 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
                                       "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0, "
-                                      "first_feed_share >= 0")
+                                      "first_feed_steps >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -533,10 +533,12 @@ class FleetProposer:
 
     def _catch_up_seconds(self, j: int, tokens: int) -> float:
         """Expected seconds (step units before any step is timed) of member j catching up `tokens` tokens: its timed
-        cost per token, or before one was timed `prior_catch_up` of a plain step at batch 1 per token."""
+        cost per token, or before one was timed `prior_catch_up` of a plain step at batch 1 per token, and nothing
+        where that comes to `first_feed_steps` plain steps or fewer (a first measurement's one-off price)."""
         if self.catch_up[j].tokens:
             return self.catch_up[j].seconds(tokens)
-        return self.config.prior_catch_up * self.steps.share(1) * max(tokens, 0)
+        steps = self.config.prior_catch_up * max(tokens, 0)
+        return 0.0 if steps <= self.config.first_feed_steps else steps * self.steps.share(1)
 
     def _feeds_prompt(self, r, j: int) -> bool:
         """Whether calling member j for `r` would first feed its cache a prompt's worth of tokens (a new request, a
@@ -641,17 +643,14 @@ class FleetProposer:
     def _may_feed(self, r, j: int) -> bool:
         """Whether a forced re-measurement may call member j for `r` (FleetConfig.explore_repay): yes when the call
         feeds no prompt; else only after REPAY_MIN_STEPS of r's steps, and when a perfect j's savings per token on
-        them, times the tokens r may still generate, exceed the feed's measured cost; before j's catch-up was timed,
-        when a perfect j saves anything and the feed's prior price (_catch_up_seconds) is at most `first_feed_share`
-        of r's remaining plain time. From history only."""
+        them, times the tokens r may still generate, exceed the feed's cost (measured, or before that the prior's;
+        a first feed within `first_feed_steps` is free: any saving, _catch_up_seconds). From history only."""
         if not self._feeds_prompt(r, j):
             return True
         h = self._repay.get((r.request_id, j))
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
         invest = self._catch_up_seconds(j, self._gap(r, j) - 1)
-        if not self.catch_up[j].tokens:  # the first feed (FleetConfig.first_feed_share)
-            return h[2] > 0 and invest <= self.config.first_feed_share * remaining_tokens(r) * self.steps.share(1)
         return remaining_tokens(r) * h[2] / max(h[1], 1e-9) * self.steps.share(self._last_batch) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:

@@ -509,24 +509,24 @@ def test_an_untimed_catch_up_is_priced_by_the_prior(step):
     assert t_prior < t_control - 50, (t_prior, t_control)
 
 
-@pytest.mark.parametrize("prompt, max_tokens, share, fed", [(150, 96, None, True), (150, 96, 0.0, False),
-                                                             (1400, 64, None, False)])
-def test_a_first_feed_is_judged_by_the_share_of_the_request_it_costs(prompt, max_tokens, share, fed):
-    """Before a member's catch-up is timed, a forced re-measurement may feed it a prompt where a perfect draft saves
-    anything on the request so far and the feed's prior price (a tenth of a plain step a token) is at most
-    `first_feed_share` (0.5) of the request's remaining plain time: a HumanEval prompt (150 tokens, 15 steps, 92 tokens
-    to go) is fed, a tool loop's (1400 tokens, 140 steps, 60 to go) is not; the control (a share of 0) feeds neither.
-    Judged by the request's repay test alone, at the prior's price the 0.5B went unfed on HumanEval (Zen 4)."""
+@pytest.mark.parametrize("prompt, max_tokens, free, fed", [(150, 96, None, True), (150, 96, 0.0, False),
+                                                            (1400, 64, None, False), (1400, 2000, None, True)])
+def test_a_first_feed_within_a_few_steps_is_free(prompt, max_tokens, free, fed):
+    """Before a member's catch-up is timed, a feed whose prior price (a tenth of a plain step a token) comes to at most
+    `first_feed_steps` (32) plain steps is free, as every untimed feed was before the prior: it buys the member's first
+    measurement. Here a perfect draft would save a tenth of a step a token so far: a HumanEval prompt (150 tokens, 15
+    steps) is fed; priced (the control, no free steps) it is not, since 92 tokens to go save 9 steps; a tool loop's
+    1400-token prompt (140 steps) is priced and not fed for 60 tokens, and fed for 1996 (a saving of 200 steps)."""
     clock = Clock()
     model = CachedDraft("model", clock, 0.9, 0.1, k=4, weights=True, per_gap=0.06)
-    config = FleetConfig() if share is None else FleetConfig(first_feed_share=share)
+    config = FleetConfig() if free is None else FleetConfig(first_feed_steps=free)
     fleet = FleetProposer([model, FakeDraft("cheap", clock, 0.0, 0.0)], config, clock=clock)
     for _ in range(8):
         fleet.steps.add(1, 0, 0.04)  # a 40 ms plain step, timed
     r = FakeRequest("r", [truth(n) for n in range(prompt)])
     r.params.max_tokens = max_tokens
     r.tokens += [truth(n) for n in range(prompt, prompt + REPAY_MIN_STEPS)]  # one token a step so far
-    fleet._repay[(r.request_id, 0)] = [REPAY_MIN_STEPS, float(REPAY_MIN_STEPS), 0.5 * REPAY_MIN_STEPS]
+    fleet._repay[(r.request_id, 0)] = [REPAY_MIN_STEPS, float(REPAY_MIN_STEPS), 0.1 * REPAY_MIN_STEPS]
     assert fleet._may_feed(r, 0) == fed
 
 
