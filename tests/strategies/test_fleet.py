@@ -338,11 +338,11 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
                 assert model.calls == (1 if repay else max(first, 1)), (first, repay, prior, model.calls)
 
 
-def _stream_step(fleet, clock, r, node_cost: float) -> None:
-    """One step of a single stream: the fleet drafts for `r`, the target's step costs 1 + node_cost per node on the
-    fake clock, and the tokens the target would give are committed and fed back."""
+def _stream_step(fleet, clock, r, node_cost: float, step: float = 1.0) -> None:
+    """One step of a single stream: the fleet drafts for `r`, the target's step costs step * (1 + node_cost per node)
+    on the fake clock, and the tokens the target would give are committed and fed back."""
     trees = fleet.propose([r])
-    clock.now += 1.0 + node_cost * sum(len(t) for t in trees.values())
+    clock.now += step * (1.0 + node_cost * sum(len(t) for t in trees.values()))
     tree = trees.get(r.request_id)
     want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
     hit = sorted(matched_nodes(tree, want)) if tree is not None else []
@@ -481,14 +481,7 @@ def _tool_loop(prior_catch_up: float, step: float, requests=6, prompt=1400, answ
         r.params.max_tokens = 64
         start = r.num_tokens
         while r.num_tokens - start < answer:
-            trees = fleet.propose([r])
-            clock.now += step * (1.0 + 0.25 * sum(len(t) for t in trees.values()))
-            tree = trees.get(r.request_id)
-            want = [truth(r.num_tokens + j) for j in range(len(tree) + 1)] if tree is not None else []
-            hit = sorted(matched_nodes(tree, want)) if tree is not None else []
-            emitted = ([tree.token_ids[j] for j in hit] if tree is not None else []) + [truth(r.num_tokens + len(hit))]
-            r.tokens += emitted
-            fleet.observe([Feedback(r.request_id, tree, hit, len(hit) + 1, 0.0, emitted)] if tree is not None else [])
+            _stream_step(fleet, clock, r, node_cost=0.25, step=step)
         fleet.release(r.request_id)
     return model, clock.now / step
 
