@@ -516,15 +516,15 @@ class FleetProposer:
         return 2 * self.max_k[j] + 2
 
     def _costly_catch_up(self, r, j: int) -> bool:
-        """Whether calling member j for `r` would first mean a catch-up (a new request's prompt, a long
-        absence) whose known cost, spread over the tokens the request may still generate, exceeds a
-        `explore_budget` (0.02) of a plain step each: a forced re-measurement does not pay for that (a call the
-        estimates choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of
-        prompt prefill each, 10 % of the fleet's time (benchmarks/RESULTS.md, the fleet preset); on 8 HumanEval
-        prompts x 96 tokens at one stream (Zen 5, 2 cores) a budget of a tenth still let every request's ~150-token
-        prompt be fed to the 0.5B (7 ms a token, ~11 ms per remaining token against a 12 ms tenth of a step) and
-        the fleet holding the 0.5B ran at 0.73x plain. With a long horizon ahead the re-measurement stays cheap
-        and keeps an early, pessimistic estimate from sticking."""
+        """Whether calling member j for `r` would first mean a catch-up (a new request's prompt, a long absence) whose
+        cost (measured, or the prior's: _catch_up_seconds), spread over the tokens the request may still generate,
+        exceeds `explore_budget` (0.02) of a plain step each: a forced re-measurement does not pay for that (a call the
+        estimates choose still can). On a ShareGPT run (96-token replies) the 0.5B's forced calls spent ~1 s of prompt
+        prefill each, 10 % of the fleet's time (benchmarks/RESULTS.md, the fleet preset); on 8 HumanEval prompts x 96
+        tokens at one stream (Zen 5, 2 cores) a budget of a tenth still let every request's ~150-token prompt be fed to
+        the 0.5B (7 ms a token, ~11 ms per remaining token against a 12 ms tenth of a step) and the fleet holding the
+        0.5B ran at 0.73x plain. With a long horizon ahead the re-measurement stays cheap and keeps an early,
+        pessimistic estimate from sticking."""
         gap = self._gap(r, j)
         if gap <= self._far(j) or not self.steps.measured:
             return False

@@ -322,10 +322,11 @@ def test_forced_re_measurements_do_not_pay_for_a_known_catch_up():
     re-measurement does not feed it the tokens it fell behind by when that costs more than a tenth of a
     plain step per token the request may still generate: past the first `explore_first` forced calls (made
     whatever they cost, so that one call's estimates are not the last), no call is made (explore_repay off).
-    With explore_repay (the default) not even those: the prior price of the 1000-token feed (a tenth of a step a
-    token, FleetConfig.prior_catch_up) is more than a perfect draft could save on 300 tokens, so the model is never
-    fed; priced free until timed (prior 0), its first call times it (2 steps per drafted token), and then not even a
-    model whose every token were right could beat plain decoding, so no later feed could be repaid."""
+    With explore_repay (the default) not even those: once a call has timed it (2 steps per drafted token), not even a
+    model whose every token were right could beat plain decoding, so no later feed could be repaid. Priced free until
+    timed (prior 0) that first call is always made; at the prior's price of the 1000-token feed (100 steps, beyond
+    `first_feed_steps`) it is made at most once (a perfect draft's bound, its drafting cost still unmeasured, can
+    come near the price on 300 tokens)."""
     for first in (0, 1, 3):
         for repay, prior in ((False, 0.1), (True, 0.1), (True, 0.0)):
             fleet, share, model = simulate(cheap_accuracy=0.0, model_accuracy=0.9, model_cost=2.0, node_cost=0.6,
@@ -432,14 +433,12 @@ class ColdDraft(CachedDraft):
 
 def _short_requests(explore_first, requests=12, max_tokens=64, prompt=150, seed=2):
     """One stream of short requests (`max_tokens` each) on a target whose step costs 1 + 0.25 per node; a model
-    draft that pays (0.85 of its tokens right, 0.15 steps per drafted token, 0.05 a token to feed its cache, which
-    the fleet's prior prices right before it is timed) except on its first, cold call (3x); no cheap draft.
-    Returns the model's share of the last half's steps."""
+    draft that pays (0.85 of its tokens right, 0.15 steps per drafted token, 0.05 a token to feed its cache)
+    except on its first, cold call (3x); no cheap draft. Returns the model's share of the last half's steps."""
     clock = Clock()
     model = ColdDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=seed, per_gap=0.05)
     cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
-    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_first=explore_first,
-                                                      prior_catch_up=0.05), clock=clock)
+    fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_first=explore_first), clock=clock)
     late = total = 0
     for i in range(requests):
         r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
