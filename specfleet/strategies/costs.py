@@ -1,6 +1,6 @@
 """Online estimates of what speculation costs and gains, for the fleet's per-step decisions.
 
-Three estimators, all fed from timings and outcomes the fleet observes itself:
+Four estimators, all fed from timings and outcomes the fleet observes itself:
 
 - `StepCosts`: T(B, N), the wall time of one engine step (target forward, verification, commit,
   bookkeeping) with B requests decoding and N draft nodes verified in total. Per batch size it keeps a
@@ -23,6 +23,8 @@ Three estimators, all fed from timings and outcomes the fleet observes itself:
   product along its path, and E[tokens of a step] = 1 + the sum of those over the verified nodes
   (the target always adds one token), so for a fixed node count the best subtree is the nodes of
   highest path probability (closed under ancestors, since a child's never exceeds its parent's).
+- `AnswerLengths`: how many more tokens a request will likely generate, from the lengths of the answers
+  that finished before it, where its max_tokens says only how many it may.
 
 Worked example (chain, context 0, depths 1..3 with conditional acceptance .9, .8, .5): path
 probabilities .9, .72, .36, so E[tokens] at 0..3 nodes is 1, 1.9, 2.62, 2.98; with T(1, n) = 10 +
@@ -248,6 +250,66 @@ class CatchUpCost:
     def seconds(self, tokens: int) -> float:
         """Expected seconds to catch up `tokens` tokens (0 before any catch-up was timed)."""
         return self.per_token * max(tokens, 0)
+
+
+
+class AnswerLengths:
+    """How many more tokens a request will likely generate, learned from the answers of the requests that
+    finished before it (the last `window`): its max_tokens says only how many it may, and a server request
+    without one may run to the end of the context. An investment priced against the tokens a request has left
+    (a draft model's prompt feed, spread over the steps that repay it) is judged against this horizon.
+
+    A finished request is recorded with its answer's length L and whether max_tokens cut it (then L says only
+    that answers go at least that far). For a request that has generated n tokens and may generate `left` more,
+    the expected remaining is E[L - n | L > n] over the records: each answer longer than n contributes what it
+    had left, L - n, or `left` if it was cut (it might have gone on to this request's cap); capped at `left`.
+    Answers that ended by n say nothing about this request beyond that it is still going. With fewer than
+    `min_samples` informative records (answers that ended, or cut ones longer than n) a prior answer of `prior`
+    tokens stands in (0: the cap stands): prior - n, or n once past half of it. A request longer than every
+    recorded answer is expected to go on about as long as it has run. Never more than the cap.
+
+    Worked example: four BFCL tool calls ended at 18, 20, 22 and 24 tokens of their 64; a fifth, 2 tokens in,
+    has 62 it may generate and an expected 19 (the mean of 16, 18, 20, 22); at 21 tokens, 2 (only the 22 and
+    24 go on: 1 and 3). A warm-up cut at 16 of 16 leaves a HumanEval request at 30 of 128 its 98. Before any of
+    that, a request without max_tokens (32k left) expects the prior's 256 tokens."""
+
+    def __init__(self, window: int = 64, min_samples: int = 4, prior: int = 256):
+        self.window = window
+        self.min_samples = min_samples
+        self.prior = prior
+        self._done: dict[str, tuple[int, bool]] = {}  # request id -> (answer length, cut by max_tokens), oldest first
+
+    def finish(self, request_id: str, length: int, cut: bool) -> None:
+        if self.window <= 0:
+            return
+        self._done.pop(request_id, None)
+        self._done[request_id] = (length, cut)
+        while len(self._done) > self.window:
+            del self._done[next(iter(self._done))]
+
+    def forget(self, request_id: str) -> None:
+        """The request runs again (it was preempted, not finished): its record was no answer."""
+        self._done.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def remaining(self, generated: int, left: int) -> float:
+        """Expected tokens a request with `generated` tokens and `left` more allowed will still generate."""
+        left = max(1, left)
+        if self.window <= 0:
+            return float(left)
+        longer, ended = [], 0
+        for length, cut in self._done.values():
+            if length > generated:
+                longer.append(left if cut else length - generated)
+            elif not cut:
+                ended += 1
+        if len(longer) + ended < self.min_samples:
+            return float(min(left, max(self.prior - generated, generated, 1))) if self.prior > 0 else float(left)
+        if not longer:
+            return float(min(left, max(1, generated)))
+        return min(float(left), max(1.0, sum(longer) / len(longer)))
 
 
 class Acceptance:

@@ -17,9 +17,10 @@ CPU. So the fleet, every step, for every request:
    chain's expected tokens by depth, at the depth k of best rate, its drafting time fitted from its
    own calls (costs.DraftCost) included; a request its cache is far behind (the prompt, on its first
    call) is first caught up in a separately timed `prepare`, and that one-off cost (costs.CatchUpCost)
-   is spread over the request's remaining steps. It is called, for the requests where that rate beats both the
-   best cheap rate and plain decoding, with the largest k they want; then its trees compete with the
-   cheap ones (its drafting time is spent by then);
+   is spread over the request's remaining steps (how many: learned from the lengths of the answers that finished
+   before it, costs.AnswerLengths, at most its max_tokens left). It is called, for the requests where that rate
+   beats both the best cheap rate and plain decoding, with the largest k they want; then its trees compete with
+   the cheap ones (its drafting time is spent by then);
 3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
    plain share (times `margin`).
 
@@ -64,7 +65,8 @@ import time
 from dataclasses import dataclass, field
 
 from specfleet.errors import InvalidRequestError
-from specfleet.strategies.costs import Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes, outcomes
+from specfleet.strategies.costs import (AnswerLengths, Acceptance, CatchUpCost, DraftCost, StepCosts, matched_nodes,
+                                        outcomes)
 from specfleet.strategies.fleet_trees import best_subtree, merge_trees, ranked
 from specfleet.strategies.length import prune_depth
 from specfleet.core.proposer import (Feedback, PreparesKV, Proposer, model_size, set_speculation_length,
@@ -148,16 +150,29 @@ class FleetConfig:
     # where the target pads a step's requests to its widest tree (StepTiming.padded_rows: CUDA graphs), price nodes
     # as padded rows and choose one width for the batch (_padded_plan). False: price them as their sum (as before)
     price_padded: bool = True
+    # the horizon an investment is priced against (a feed spread over the tokens a request will still generate, the
+    # repay test, which request a forced call feeds) is learned from the lengths of the last this many finished
+    # answers (costs.AnswerLengths), capped by the request's max_tokens left; 0: max_tokens left, as before. A server
+    # request without max_tokens may run to the end of the context, so a feed of the 0.5B was judged against
+    # thousands of tokens for a tool call that ends after ~20
+    answer_window: int = 64
+    answer_min_samples: int = 4  # informative finished answers before the learned horizon replaces the prior's
+    # until then an answer is expected to run about this many tokens (0: max_tokens left). Without it the first
+    # requests of a server loop without max_tokens still fed the 0.5B (BFCL tool loops at max_tokens 2048: one feed a
+    # round, 0.89x plain, against 0.52x unlearned; Zen 4, session 36)
+    prior_answer_tokens: int = 256
 
     def validate(self) -> None:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
                 or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0 \
-                or not self.first_feed_steps >= 0:
+                or not self.first_feed_steps >= 0 or self.answer_window < 0 or self.answer_min_samples < 1 \
+                or self.prior_answer_tokens < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
                                       "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0, "
-                                      "first_feed_steps >= 0")
+                                      "first_feed_steps >= 0, answer_window >= 0, answer_min_samples >= 1, "
+                                      "prior_answer_tokens >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -182,9 +197,14 @@ class _Pending:
     verified: Option | None = None
 
 
+def generated_tokens(r) -> int:
+    """Tokens the request has generated so far."""
+    return r.num_tokens - len(r.prompt_token_ids)
+
+
 def remaining_tokens(r) -> int:
     """Tokens the request may still generate (its max_tokens less what it has; at least 1)."""
-    return max(1, r.params.max_tokens - (r.num_tokens - len(r.prompt_token_ids)))
+    return max(1, r.params.max_tokens - generated_tokens(r))
 
 
 class FleetProposer:
@@ -208,6 +228,12 @@ class FleetProposer:
                            for _ in members]
         self.draft_costs = [DraftCost(cfg.window) for _ in members]
         self.catch_up = [CatchUpCost() for _ in members]  # an expensive member's cache catching up, per token
+        # the horizon of an investment (_remaining)
+        self.lengths = AnswerLengths(cfg.answer_window, cfg.answer_min_samples, cfg.prior_answer_tokens)
+        # request id -> [tokens generated at its last propose, its max_tokens, whether a later feedback counted its
+        # last step]; a released request's entry moves to _finishing until its last feedback can have arrived
+        self._progress: dict[str, list] = {}
+        self._finishing: dict[str, list] = {}
         self.steps = StepCosts(cfg.window, prior_node_cost=cfg.prior_node_cost)
         self.cap: int | None = None  # a depth cap set from outside (+adaptive)
         self._ctx: dict[str, list[int]] = {}  # request id -> context per member
@@ -252,6 +278,7 @@ class FleetProposer:
         for rid in self._dropped:
             self._pending.pop(rid, None)
         self._dropped.clear()
+        self._record_answers(requests)
         for r in requests:  # requests that verified nothing learn from the token the target gave them
             pend = self._pending.pop(r.request_id, None)
             if pend is not None:
@@ -401,7 +428,7 @@ class FleetProposer:
         n = self.config.explore_requests
         if not n or n >= len(requests):
             return {r.request_id for r in requests}
-        key = lambda r: (self._gap(r, j) / remaining_tokens(r), self._gap(r, j), r.request_id)  # noqa: E731
+        key = lambda r: (self._gap(r, j) / self._remaining(r), self._gap(r, j), r.request_id)  # noqa: E731
         return {r.request_id for r in sorted(requests, key=key)[:n]}
 
     def _no_tree_pays(self, batch: int) -> bool:
@@ -443,6 +470,22 @@ class FleetProposer:
         self._plan = (self.clock(), batch, 0, {r.request_id: (r.num_tokens, 0) for r in requests})
         return {}
 
+    def _record_answers(self, requests: list) -> None:
+        """Record the answers released since the last propose (their last step's feedback, if any, has arrived by
+        now), and note where each live request stands; a request seen again was preempted, not finished."""
+        for rid, (n, cap, counted) in self._finishing.items():
+            n = n if counted else n + 1  # a plain last step (no feedback) added one token
+            self.lengths.finish(rid, n, n >= cap)
+        self._finishing.clear()
+        for r in requests:
+            self._progress[r.request_id] = [generated_tokens(r), r.params.max_tokens, False]
+            self.lengths.forget(r.request_id)
+
+    def _remaining(self, r) -> float:
+        """Tokens `r` is expected to generate still: the learned horizon (FleetConfig.answer_window), at most its
+        max_tokens left."""
+        return self.lengths.remaining(generated_tokens(r), remaining_tokens(r))
+
     def _count_choice(self, batch: int, name: str, n: int = 1) -> None:
         self.chosen[name] += n
         self.chosen_by_batch.setdefault(batch, dict.fromkeys(self.chosen, 0))[name] += n
@@ -450,6 +493,10 @@ class FleetProposer:
     def observe(self, feedback: list[Feedback]) -> None:
         t0 = time.perf_counter()
         for fb in feedback:
+            fin = self._finishing.get(fb.request_id)
+            if fin is not None and not fin[2]:  # the released request's last step: its tokens count
+                fin[0] += len(fb.emitted_token_ids)
+                fin[2] = True
             pend = self._pending.pop(fb.request_id, None)
             if pend is not None:
                 self._learn(fb.request_id, pend, fb.emitted_token_ids, fb)
@@ -462,6 +509,9 @@ class FleetProposer:
 
     def release(self, request_id: str) -> None:
         self._dropped.add(request_id)  # its last feedback may still arrive in this step's observe
+        progress = self._progress.pop(request_id, None)
+        if progress is not None:  # recorded as an answer at the next propose (_record_answers)
+            self._finishing[request_id] = progress
         self._ctx.pop(request_id, None)
         for j in self.expensive:
             self._seen.pop((request_id, j), None)
@@ -528,7 +578,7 @@ class FleetProposer:
         gap = self._gap(r, j)
         if gap <= self._far(j) or not self.steps.measured:
             return False
-        per_step = self._catch_up_seconds(j, gap - 1) / remaining_tokens(r)
+        per_step = self._catch_up_seconds(j, gap - 1) / self._remaining(r)
         return per_step > self.config.explore_budget * self.steps.share(self._last_batch)
 
     def _catch_up_seconds(self, j: int, tokens: int) -> float:
@@ -651,7 +701,7 @@ class FleetProposer:
         if h is None or h[0] < REPAY_MIN_STEPS:
             return False
         invest = self._catch_up_seconds(j, self._gap(r, j) - 1)
-        return remaining_tokens(r) * h[2] / max(h[1], 1e-9) * self.steps.share(self._last_batch) > invest
+        return self._remaining(r) * h[2] / max(h[1], 1e-9) * self.steps.share(self._last_batch) > invest
 
     def _expected_chain(self, r, j: int, fixed: float, planned: int) -> tuple[int, float, float]:
         """(depth, rate) of the best chain member j is expected to draft for `r`, and the rate at j's best depth if
@@ -672,7 +722,7 @@ class FleetProposer:
             step = fixed + draft + self._extra(self._last_batch, planned, k)
             perfect = max(perfect, (k + 1) / step)
             if invest:
-                step += invest / max(1.0, remaining_tokens(r) / e)
+                step += invest / max(1.0, self._remaining(r) / e)
             rate = e / step
             if rate > best_rate:
                 best_k, best_rate = k, rate

@@ -10,7 +10,7 @@ import torch
 from specfleet.errors import InvalidRequestError
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.proposer import describe
-from specfleet.strategies.costs import Acceptance, DraftCost, StepCosts, matched_nodes
+from specfleet.strategies.costs import Acceptance, AnswerLengths, DraftCost, StepCosts, matched_nodes
 from specfleet.strategies.fleet import REPAY_MIN_STEPS, FleetConfig, FleetProposer, best_subtree, merge_trees
 from specfleet.core.proposer import Feedback
 from specfleet.core.tree import DraftTree
@@ -358,8 +358,10 @@ def _one_stream(explore_budget, requests=4, steps=100, prompt=1000, catch_up=0.0
     clock = Clock()
     model = CachedDraft("model", clock, 0.9, 2.0, k=4, weights=True, seed=2, per_gap=catch_up)
     cheap = FakeDraft("cheap", clock, 0.0, 0.0, k=6, seed=1)
+    # the horizon is each request's max_tokens left (answer_window 0), as when these tests were written: they hold the
+    # budget and the repay test, not the learned horizon (test_a_feed_is_priced_against_the_answers_length...)
     fleet = FleetProposer([model, cheap], FleetConfig(explore_every=32, explore_budget=explore_budget,
-                                                      explore_repay=repay), clock=clock)
+                                                      explore_repay=repay, answer_window=0), clock=clock)
     for i in range(requests):
         r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
         r.params.max_tokens = max_tokens
@@ -501,6 +503,71 @@ def test_an_untimed_catch_up_is_priced_by_the_prior(step):
     assert t_prior < t_control - 50, (t_prior, t_control)
 
 
+
+def test_answer_lengths_expect_what_the_answers_before_had_left():
+    """The worked example of costs.AnswerLengths: four tool calls ended at 18-24 tokens of 64; a fifth, 2 tokens in,
+    expects 19 more (not its 62), at 21 tokens 2 more, past them all about as many as it has run. Answers cut by
+    max_tokens say only that answers go at least so far: a warm-up cut at 16 leaves a long request its cap. The
+    window keeps the last answers; a request seen again (preempted) is no answer. Before enough answers, a prior
+    answer of 256 tokens bounds a request without max_tokens."""
+    lengths = AnswerLengths(window=4, min_samples=4)
+    assert lengths.remaining(2, 62) == 62  # nothing learned yet
+    for i, n in enumerate([18, 20, 22, 24]):
+        lengths.finish(f"t{i}", n, cut=False)
+    assert lengths.remaining(2, 62) == pytest.approx(19.0)
+    assert lengths.remaining(21, 43) == pytest.approx(2.0)
+    assert lengths.remaining(30, 34) == 30 and lengths.remaining(40, 24) == 24  # outlived them all: n, at most the cap
+    assert lengths.remaining(2, 10) == 10  # never more than the request may still generate
+    lengths.finish("w", 16, cut=True)  # the window drops the oldest (18)
+    assert len(lengths) == 4 and lengths.remaining(2, 62) == pytest.approx((18 + 20 + 22 + 62) / 4)
+    lengths.forget("w")
+    assert len(lengths) == 3 and lengths.remaining(2, 62) == 62  # three answers are too few
+    warm = AnswerLengths(min_samples=1)
+    warm.finish("warm-up", 16, cut=True)
+    assert warm.remaining(30, 98) == 98  # a cut answer shorter than the request says nothing about it
+    fresh = AnswerLengths()  # before four answers: a prior answer of 256 tokens, never past the cap
+    assert fresh.remaining(2, 32000) == 254 and fresh.remaining(200, 32000) == 200 and fresh.remaining(2, 50) == 50
+    assert AnswerLengths(prior=0).remaining(2, 32000) == 32000
+    off = AnswerLengths(window=0)
+    for i in range(8):
+        off.finish(f"t{i}", 20, cut=False)
+    assert len(off) == 0 and off.remaining(2, 62) == 62
+
+
+def _open_tool_loop(requests=10, prompt=1400, answer=20, **config):
+    """The tool loop of _tool_loop as a server without max_tokens sends it: each request may run to the end of a
+    32k context. A model draft right 85 % of the time at 0.15 steps a token against a cheap draft right half the
+    time: over the tokens a request may generate, feeding it the 1400-token prompt (84 steps) always looks repaid.
+    Returns (prompts fed to the model, plain steps on the fake clock)."""
+    clock = Clock()
+    model = CachedDraft("model", clock, 0.85, 0.15, k=4, weights=True, seed=2, per_gap=0.06)
+    cheap = FakeDraft("cheap", clock, 0.5, 0.0, k=6, seed=1)
+    fleet = FleetProposer([model, cheap], FleetConfig(**config), clock=clock)
+    for i in range(requests):
+        r = FakeRequest(f"r{i}", [truth(n) for n in range(prompt + i)])
+        r.params.max_tokens = 32768 - r.num_tokens
+        start = r.num_tokens
+        while r.num_tokens - start < answer:
+            _stream_step(fleet, clock, r, node_cost=0.25)
+        fleet.release(r.request_id)
+    return len(model.cached), clock.now
+
+
+def test_a_feed_is_priced_against_the_answers_length_not_the_context_left():
+    """A tool call ends after ~20 tokens whatever max_tokens allows. Priced against the ~31k tokens a request
+    without max_tokens may generate (answer_window 0, the control), the model's prompt feed pays on paper and every
+    request but the first few is fed (84 steps each, for 20 tokens): 770 steps for the loop. With the horizon
+    learned from the answers before (no prior), the feeds stop once four answers have ended (349 steps); with the
+    default's prior answer of 256 tokens as well, not even the first requests are fed (179 steps)."""
+    fed_control, t_control = _open_tool_loop(answer_window=0)
+    fed_learned, t_learned = _open_tool_loop(prior_answer_tokens=0)
+    fed, t = _open_tool_loop()
+    assert fed_control >= 6, fed_control  # all but the first few, whose feeds the repay test holds back
+    assert fed_learned <= 4, fed_learned  # only while fewer than four answers have ended
+    assert fed == 0, fed
+    assert t < t_learned - 100 < t_control - 300, (t, t_learned, t_control)
+
+
 @pytest.mark.parametrize("prompt, max_tokens, free, fed", [(150, 96, None, True), (150, 96, 0.0, False),
                                                             (1400, 64, None, False), (1400, 2000, None, True)])
 def test_a_first_feed_within_a_few_steps_is_free(prompt, max_tokens, free, fed):
@@ -511,7 +578,9 @@ def test_a_first_feed_within_a_few_steps_is_free(prompt, max_tokens, free, fed):
     1400-token prompt (140 steps) is priced and not fed for 60 tokens, and fed for 1996 (a saving of 200 steps)."""
     clock = Clock()
     model = CachedDraft("model", clock, 0.9, 0.1, k=4, weights=True, per_gap=0.06)
-    config = FleetConfig() if free is None else FleetConfig(first_feed_steps=free)
+    # the horizon is the request's max_tokens left (no prior answer length): this test holds the first-feed rule
+    config = FleetConfig(prior_answer_tokens=0) if free is None else FleetConfig(first_feed_steps=free,
+                                                                                 prior_answer_tokens=0)
     fleet = FleetProposer([model, FakeDraft("cheap", clock, 0.0, 0.0)], config, clock=clock)
     for _ in range(8):
         fleet.steps.add(1, 0, 0.04)  # a 40 ms plain step, timed
