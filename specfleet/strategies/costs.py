@@ -252,7 +252,6 @@ class CatchUpCost:
         return self.per_token * max(tokens, 0)
 
 
-
 class AnswerLengths:
     """How many more tokens a request will likely generate, learned from the answers of the requests that
     finished before it (the last `window`): its max_tokens says only how many it may, and a server request

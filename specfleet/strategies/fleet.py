@@ -709,9 +709,9 @@ class FleetProposer:
         beats, for FleetConfig.explore_repay)."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
         gap = self._gap(r, j)
-        invest = 0.0
+        invest, horizon = 0.0, 1.0
         if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
-            invest = self._catch_up_seconds(j, gap - 1)
+            invest, horizon = self._catch_up_seconds(j, gap - 1), self._remaining(r)
             gap = 1
         kmax = self._depth_cap(j)
         best_k, best_rate, perfect, e, path = 1, 0.0, 0.0, 1.0, 1.0
@@ -722,7 +722,7 @@ class FleetProposer:
             step = fixed + draft + self._extra(self._last_batch, planned, k)
             perfect = max(perfect, (k + 1) / step)
             if invest:
-                step += invest / max(1.0, self._remaining(r) / e)
+                step += invest / max(1.0, horizon / e)
             rate = e / step
             if rate > best_rate:
                 best_k, best_rate = k, rate
