@@ -14,11 +14,13 @@ falls on all of them alike, and each figure is the median over rounds.
     SPECFLEET_ISA=avx2 .venv/bin/python benchmarks/kernels/prefetch.py          # another ISA path
 
 A setting is ONE_ROW,MANY_ROWS in bytes (`specfleet_set_prefetch`), optionally ,GROUP: the fewest activation
-rows for which weight rows go in pairs and fours (`specfleet_set_grouping`; fewer go row by row; without it the
-setting in effect, printed). Printed per setting: the forward's milliseconds at each row count and c(k), the
-(k+1)-row forward over the one-row forward.
+rows for which weight rows go in pairs and fours (`specfleet_set_grouping`; fewer go row by row). Or keys, any of
+one=, many=, grouped= (the distance for weight rows in pairs and fours), l2= (1: more rows prefetch into L2),
+group= and act= (the activation bytes above which 2 or more rows go in groups; 0: never); what a setting leaves
+out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
+    .venv/bin/python benchmarks/kernels/prefetch.py --settings l2=0,grouped=4096,act=0 l2=1,grouped=16384,act=16384
 """
 from __future__ import annotations
 
@@ -34,26 +36,43 @@ ROWS = (1, 2, 3, 5, 9)
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
 
 
-def setting(text: str) -> tuple[int, int, int | None]:
+KEYS = ("one", "many", "grouped", "l2", "group", "act")
+
+
+def setting(text: str) -> dict:
+    """ONE,MANY[,GROUP] or key=value pairs (KEYS) -> {key: value} of what the setting fixes"""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
-        values = [int(v) for v in text.split(",")]
+        if parts and all("=" in p for p in parts):
+            out = {k.strip(): int(v) for k, v in (p.split("=", 1) for p in parts)}
+        else:
+            values = [int(v) for v in parts]
+            if len(values) not in (2, 3):
+                raise ValueError
+            out = dict(zip(("one", "many", "group"), values))
     except ValueError:
-        values = []
-    if len(values) not in (2, 3):
-        raise argparse.ArgumentTypeError(f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS]: {text}")
-    one, many, group = values[0], values[1], values[2] if len(values) == 3 else None
-    if not (0 <= one <= 1 << 20 and 0 <= many <= 1 << 20):
+        raise argparse.ArgumentTypeError(f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS] or keys {KEYS}: {text}") from None
+    if set(out) - set(KEYS):
+        raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(out) - set(KEYS))} in {text} (known: {KEYS})")
+    if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped") if k in out):
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
-    if group is not None and not 2 <= group <= 1 << 20:
-        raise argparse.ArgumentTypeError(f"the fewest rows in weight-row groups must lie in [2, {1 << 20}]: {text}")
-    return one, many, group
+    if out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20 or not 0 <= out.get("act", 0) <= 1 << 30:
+        raise argparse.ArgumentTypeError(f"l2 is 0 or 1, group in [2, {1 << 20}], act in [0, {1 << 30}]: {text}")
+    return out
+
+
+def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int]:
+    """a setting with what it leaves out taken from the settings in effect (`native_backend.tuning()`)"""
+    pf = now["prefetch_bytes"]
+    return (s.get("one", pf[0]), s.get("many", pf[1]), s.get("grouped", pf[2]), s.get("l2", int(now["prefetch_l2"])),
+            s.get("group", now["group_min_rows"]), s.get("act", now["group_act_bytes"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", type=setting, nargs="+",
-                    default=[(4096, 4096, None), (4096, 8192, None), (4096, 16384, None), (16384, 16384, None)],
-                    help="ONE_ROW,MANY_ROWS prefetch distances in bytes[,GROUP_ROWS]")
+                    default=[{"many": 4096}, {"many": 8192}, {"many": 16384}, {"one": 16384, "many": 16384}],
+                    help="ONE_ROW,MANY_ROWS prefetch distances in bytes[,GROUP_ROWS], or keys " + ", ".join(KEYS))
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     from specfleet import LLM
@@ -61,8 +80,8 @@ def main() -> None:
     lib = native_backend.library()
     if lib is None:
         raise SystemExit(f"the native kernels are unavailable here ({native_backend.unavailable_reason()})")
-    group_default = native_backend.tuning()["group_min_rows"]
-    args.settings = [(one, many, group_default if group is None else group) for one, many, group in args.settings]
+    now = native_backend.tuning()
+    args.settings = list(dict.fromkeys(full(s, now) for s in args.settings))
     llm = LLM(draft="none")
     engine = llm.engine
     ids = _tokens([llm.tokenizer.encode(PROMPT)], CONTEXT + max(ROWS))
@@ -73,8 +92,8 @@ def main() -> None:
         _run(engine, rid, ids[:CONTEXT], 0, False)
         for r in range(args.rounds):
             for s in args.settings if r % 2 == 0 else args.settings[::-1]:
-                lib.specfleet_set_prefetch(*s[:2])
-                lib.specfleet_set_grouping(s[2])
+                lib.specfleet_set_prefetch(*s[:4])
+                lib.specfleet_set_grouping(*s[4:])
                 for _ in range(2):  # the steady state of decoding under this setting
                     _run(engine, rid, ids[CONTEXT:CONTEXT + 1], CONTEXT, True)
                 for n in ROWS:
@@ -84,14 +103,16 @@ def main() -> None:
     table = []
     for s in args.settings:
         med = {n: statistics.median(times[(s, n)]) for n in ROWS}
-        table.append({"one_row_bytes": s[0], "many_rows_bytes": s[1], "group_rows": s[2],
+        table.append({"one_row_bytes": s[0], "many_rows_bytes": s[1], "grouped_bytes": s[2], "into_l2": s[3],
+                      "group_rows": s[4], "group_act_bytes": s[5],
                       **{f"ms_{n}": 1e3 * med[n] for n in ROWS},
                       **{f"c({n - 1})": med[n] / med[1] for n in ROWS[1:]}})
-        print(f"{s[0]:>7},{s[1]:<7},{s[2]:<3} " + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
+        print("one={},many={},grouped={},l2={},group={},act={} ".format(*s) + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
               + "  c: " + " ".join(f"{med[n] / med[1]:.2f}" for n in ROWS[1:]), flush=True)
-    cols = ["one_row_bytes", "many_rows_bytes", "group_rows", *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
+    cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
+            *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
     body = (f"The default target's forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
-            f"rows under each setting (prefetch distances in bytes, the fewest rows in weight-row groups), kernel ISA path {native_backend.isa()}; settings alternate in every "
+            f"rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups and the activation bytes from which 2 rows group), kernel ISA path {native_backend.isa()}; settings alternate in every "
             f"round, medians of {args.rounds} rounds.\n\n" + md_table(table, cols))
     payload = {"args": {"settings": args.settings, "rounds": args.rounds}, "kernel_isa": native_backend.isa(),
                "rows": ROWS, "times_s": {",".join(map(str, s)): {n: times[(s, n)] for n in ROWS} for s in args.settings},

@@ -120,7 +120,10 @@ def markdown_header(meta: dict) -> str:
 def _tuning_text(t: dict | None) -> str:
     if not t:
         return ""
-    return f", prefetch {t['prefetch_bytes'][0]}/{t['prefetch_bytes'][1]} B, weight-row groups from {t['group_min_rows']} rows"
+    pf = "/".join(str(b) for b in t["prefetch_bytes"])
+    act = t.get("group_act_bytes", 0)
+    return (f", prefetch {pf} B{' (more rows into L2)' if t.get('prefetch_l2') else ''}, weight-row groups from "
+            f"{t['group_min_rows']} rows{f' (from 2 past {act} B of activations)' if act else ''}")
 
 
 def result_path(meta: dict) -> Path:

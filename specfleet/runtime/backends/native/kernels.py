@@ -77,8 +77,9 @@ def flags(path: str) -> list[str]:
 
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
-# 8: specfleet_set_prefetch; 9: specfleet_set_grouping
-ABI = 9
+# 8: specfleet_set_prefetch; 9: specfleet_set_grouping; 10: a distance for weight rows in groups, prefetches into L2,
+# grouping by the activations' size
+ABI = 10
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -105,8 +106,8 @@ _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_q_abi": ([], _int),
     "specfleet_q_isa": ([], ctypes.c_char_p),
-    "specfleet_set_prefetch": ([_i64, _i64], None),
-    "specfleet_set_grouping": ([_i64], None),
+    "specfleet_set_prefetch": ([_i64, _i64, _i64, _i64], None),
+    "specfleet_set_grouping": ([_i64, _i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
@@ -162,22 +163,30 @@ def isa(wanted: str | None = None) -> str | None:
     return paths[0] if paths else None
 
 
-# How far ahead the x86 products prefetch weights (csrc/arch/x86/x86.h stream_ahead), for one activation row and for
-# more, where it differs from the body's compiled default (quants_k.c: 4 KB and 16 KB on the 512-bit VNNI path,
-# measured on a Zen 5). On a Cascade Lake Xeon 16 KB made 2-9 verification rows 5-10 % slower than 4-8 KB (c(4) 1.66
-# against 1.55; benchmarks/kernels/prefetch.py, benchmarks/RESULTS.md, session 31), and on a Zen 4 (AMD family 25 with
-# AVX512) 4 KB gave 2-9 rows 4-10 % faster forwards than 8-16 KB (session 34). Keyed by ISA path, vendor and CPU
-# family (None: any family of the vendor).
-PREFETCH: dict[tuple[str, str, int | None], tuple[int, int]] = {
-    ("avx512vnni", "GenuineIntel", None): (4096, 4096),
-    ("avx512vnni", "AuthenticAMD", 25): (4096, 4096),
+# How the x86 products prefetch weights (csrc/arch/x86/x86.h stream_ahead): the distance in bytes for one activation
+# row, for more row by row, and for weight rows in pairs and fours, and whether more rows prefetch into L2 (1) or L1
+# (0), where it differs from the body's compiled default (quants_k.c: 4, 16 and 16 KB into L1 on the 512-bit VNNI
+# path, measured on a Zen 5). On a Cascade Lake Xeon 16 KB made 2-9 verification rows 5-10 % slower than 4-8 KB (c(4)
+# 1.66 against 1.55; benchmarks/kernels/prefetch.py, benchmarks/RESULTS.md, session 31). On a Zen 4 (AMD family 25
+# with AVX512) 4 KB gave 2-9 rows 4-10 % faster forwards than 8-16 KB row by row (session 34), and prefetching into L2
+# let the long-K products in pairs and fours (the down product, 8960 wide) verify 2-5 rows in 9-13 ms against 14-20
+# ms (session 37); the AVX2 path, which goes row by row, verified 2 rows in 40.5 ms against 46.8 into L1 on that Zen 4
+# (AMD family 25 is Zen 3 as well, with the same 32 KB L1 and 512 KB L2; measured on the Zen 4 only). Keyed by ISA
+# path, vendor and CPU family (None: any family of the vendor).
+PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
+    ("avx512vnni", "GenuineIntel", None): (4096, 4096, 4096, 0),
+    ("avx512vnni", "AuthenticAMD", 25): (4096, 4096, 16384, 1),
+    ("avx2", "AuthenticAMD", 25): (4096, 4096, 4096, 1),
 }
 # The fewest activation rows for which the products take weight rows in pairs and fours (csrc/q_common.h
-# sf_group_min_rows; compiled default 2), where it differs. On a Zen 4, whose 512-bit units run each instruction in two
-# 256-bit halves, pairs and fours made the 1.5B's 2-row forward cost 1.68-1.81 decode steps against 1.17-1.18 row by
-# row, and 5 rows 2.05-2.26 against 1.70-1.77; from 9 rows the fours win again (benchmarks/kernels/prefetch.py
-# --group, session 34). Keyed as PREFETCH.
-GROUP_ROWS: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 25): 6}
+# sf_group_min_rows; compiled default 2), and the activation bytes (rows x row bytes) above which fewer rows, from 2,
+# do too (sf_group_act_bytes; compiled 0, never), where they differ. On a Zen 4, whose 512-bit units run each
+# instruction in two 256-bit halves, pairs and fours made the 1.5B's 2-row forward cost 1.68-1.81 decode steps against
+# 1.17-1.18 row by row, and 5 rows 2.05-2.26 against 1.70-1.77; from 9 rows the fours win again (benchmarks/kernels/
+# prefetch.py --group, session 34). That holds for the 1536-wide products; the 8960-wide down product reads 13 KB of
+# activation quants a row for every weight row, which L1 does not hold for two rows, and there pairs and fours
+# (prefetching into L2) win from 2 rows (session 37). Keyed as PREFETCH.
+GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (6, 16384)}
 
 
 def _tuned(table: dict, path: str, vendor: str | None, family: int | None):
@@ -186,34 +195,41 @@ def _tuned(table: dict, path: str, vendor: str | None, family: int | None):
     return table.get((path, vendor, family), table.get((path, vendor, None)))
 
 
-def prefetch_setting(path: str, vendor: str | None = None, family: int | None = None) -> tuple[int, int] | None:
-    """(one row, more rows) prefetch distances in bytes for ISA path `path` on this CPU: SPECFLEET_PREFETCH
-    ("ONE,MANY") where set, else PREFETCH's entry for the path and the CPU's vendor and family; None keeps the
-    compiled default."""
+def prefetch_setting(path: str, vendor: str | None = None,
+                     family: int | None = None) -> tuple[int, int, int, int] | None:
+    """(one row, more rows, weight rows in groups, into L2) prefetch settings for ISA path `path` on this CPU:
+    SPECFLEET_PREFETCH ("ONE,MANY" or "ONE,MANY,GROUPED,L2"; -1 keeps the compiled value) where set, else PREFETCH's
+    entry for the path and the CPU's vendor and family; None keeps the compiled default."""
     env = os.environ.get("SPECFLEET_PREFETCH", "").strip()
     if env:
         try:
-            one, many = (int(v) for v in env.split(","))
+            values = [int(v) for v in env.split(",")]
         except ValueError:
-            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: expected two byte counts, ONE_ROW,MANY_ROWS") from None
-        if not (0 <= one <= 1 << 20 and 0 <= many <= 1 << 20):
-            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: distances must lie in [0, {1 << 20}] bytes")
-        return one, many
+            values = []
+        if len(values) not in (2, 4):
+            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: expected ONE_ROW,MANY_ROWS[,GROUPED,L2]: byte counts and "
+                             "0 or 1 for L2")
+        if not all(0 <= v <= 1 << 20 for v in values[:3]) or (len(values) == 4 and values[3] not in (0, 1)):
+            raise ValueError(f"SPECFLEET_PREFETCH={env!r}: distances must lie in [0, {1 << 20}] bytes, L2 be 0 or 1")
+        return tuple(values + [-1, -1])[:4]
     return _tuned(PREFETCH, path, vendor, family)
 
 
-def group_rows_setting(path: str, vendor: str | None = None, family: int | None = None) -> int | None:
-    """The fewest activation rows for which weight rows go in pairs and fours on ISA path `path` on this CPU:
-    SPECFLEET_GROUP_ROWS where set (an integer >= 2), else GROUP_ROWS' entry; None keeps the compiled default (2)."""
+def group_rows_setting(path: str, vendor: str | None = None, family: int | None = None) -> tuple[int, int] | None:
+    """(the fewest activation rows for which weight rows go in pairs and fours, the activation bytes above which
+    fewer rows do) on ISA path `path` on this CPU: SPECFLEET_GROUP_ROWS ("ROWS" or "ROWS,BYTES", ROWS >= 2, BYTES 0
+    for never) where set, else GROUP_ROWS' entry; None keeps the compiled default (2, never)."""
     env = os.environ.get("SPECFLEET_GROUP_ROWS", "").strip()
     if env:
         try:
-            rows = int(env)
+            values = [int(v) for v in env.split(",")]
         except ValueError:
-            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: expected a number of activation rows (>= 2)") from None
-        if not 2 <= rows <= 1 << 20:
-            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: must lie in [2, {1 << 20}]")
-        return rows
+            values = []
+        if len(values) not in (1, 2):
+            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: expected a number of activation rows (>= 2)[,BYTES]")
+        if not 2 <= values[0] <= 1 << 20 or (len(values) == 2 and not 0 <= values[1] <= 1 << 30):
+            raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: rows must lie in [2, {1 << 20}], bytes in [0, {1 << 30}]")
+        return values[0], values[1] if len(values) == 2 else -1
     return _tuned(GROUP_ROWS, path, vendor, family)
 
 
@@ -237,18 +253,21 @@ def _load(path: str) -> ctypes.CDLL:
         log.warning("%s; keeping the compiled grouping", e)
         rows = None
     if rows is not None:
-        lib.specfleet_set_grouping(rows)
+        lib.specfleet_set_grouping(*rows)
     return lib
 
 
 def tuning(path: str | None = None) -> dict | None:
     """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
-    distances (one row, more rows) and the fewest rows that go in weight-row groups; None where it is not loaded."""
+    distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the fewest rows that go
+    in weight-row groups and the activation bytes above which fewer do (0: never); None where it is not loaded."""
     lib = library(path)
     if lib is None:
         return None
-    return {"prefetch_bytes": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_bytes")),
-            "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value}
+    return {"prefetch_bytes": list((ctypes.c_int64 * 3).in_dll(lib, "sf_prefetch_bytes")),
+            "prefetch_l2": bool(ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value),
+            "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value,
+            "group_act_bytes": ctypes.c_int64.in_dll(lib, "sf_group_act_bytes").value}
 
 
 def build(path: str, csrc: Path = _CSRC) -> ctypes.CDLL:

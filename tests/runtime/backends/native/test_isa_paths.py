@@ -58,8 +58,9 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [5, 13, 28])  # 32-weight formats: a tail group of 5; one group of 8 and a tail
 # of 5; three groups of 8 and one of 4
-@pytest.mark.parametrize("group_rows", [2, 7])  # weight rows in groups from 2 activation rows (the compiled default)
-# or row by row below 7 (a Zen 4's setting is 6): whichever the CPU's setting, both ways are checked
+@pytest.mark.parametrize("group_rows", [(2, 0, 0), (7, 0, 1), (7, 1000, 1)])  # weight rows in groups from 2 activation
+# rows (the compiled default), or row by row below 7 (a Zen 4's setting is 6), or that but in groups from 2 rows
+# past 1000 bytes of activations; the last two prefetching into L2: whichever the CPU's setting, all ways are checked
 def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
     if blocks != 5 and block_of(qtype) == 256:
@@ -67,8 +68,9 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     k = blocks * block_of(qtype)
     torch.manual_seed(int(qtype))
     x = torch.randn(33, k) * torch.logspace(-2, 1, k)  # activations of very different sizes per block
-    before = native_backend.tuning(path)["group_min_rows"]
-    fast.specfleet_set_grouping(group_rows)
+    before = native_backend.tuning(path)
+    fast.specfleet_set_grouping(*group_rows[:2])
+    fast.specfleet_set_prefetch(-1, -1, -1, group_rows[2])
     try:
         for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
             w = random_blocks(qtype, n, k, seed=3)
@@ -76,7 +78,8 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
             for m in (1, 2, 5, 7, 8, 9, 16, 17, 32, 33):  # decode, tile tails (TILE 8, QUAD_TILE 16), several tiles
                 assert torch.equal(run_qlinear(fast, x[:m], w), want[:m]), f"{path} {qtype.name} rows={m} n={n}"
     finally:
-        fast.specfleet_set_grouping(before)
+        fast.specfleet_set_grouping(before["group_min_rows"], before["group_act_bytes"])
+        fast.specfleet_set_prefetch(-1, -1, -1, int(before["prefetch_l2"]))
 
 
 @pytest.mark.parametrize("path", FAST_PATHS)
@@ -158,17 +161,21 @@ def test_control_a_changed_weight_changes_the_bits():
 
 
 def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
-    """The x86 products' prefetch distances (speed only): the compiled default unless PREFETCH names the path and
-    vendor (Intel's 512-bit VNNI path: 4 KB for verification rows, measured on a Cascade Lake) or
-    SPECFLEET_PREFETCH overrides; a malformed override is named and ignored, and the kernels still load."""
+    """The x86 products' prefetch settings (speed only): the compiled default unless PREFETCH names the path and
+    vendor (Intel's 512-bit VNNI path: 4 KB for verification rows, measured on a Cascade Lake; a Zen 4: 16 KB for
+    weight rows in groups, more rows into L2) or SPECFLEET_PREFETCH overrides; a malformed override is named and
+    ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_PREFETCH", raising=False)
-    assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel", 6) == (4096, 4096)
+    assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel", 6) == (4096, 4096, 4096, 0)
     assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 26) is None  # Zen 5: the compiled default
-    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 25) == (4096, 4096)  # Zen 4
+    assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 25) == (4096, 4096, 16384, 1)  # Zen 4
     assert native_backend.prefetch_setting("avx2", "GenuineIntel", 6) is None
+    assert native_backend.prefetch_setting("avx2", "AuthenticAMD", 25) == (4096, 4096, 4096, 1)  # Zen 3 and 4
     monkeypatch.setenv("SPECFLEET_PREFETCH", "2048,8192")
-    assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192)
-    for bad in ("8192", "a,b", "1,-1", "1,9999999"):
+    assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192, -1, -1)  # the rest kept
+    monkeypatch.setenv("SPECFLEET_PREFETCH", "2048,8192,4096,1")
+    assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192, 4096, 1)
+    for bad in ("8192", "a,b", "1,-1", "1,9999999", "1,2,3", "1,2,3,2"):
         monkeypatch.setenv("SPECFLEET_PREFETCH", bad)
         with pytest.raises(ValueError, match="SPECFLEET_PREFETCH"):
             native_backend.prefetch_setting("avx2")
@@ -177,38 +184,44 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
         pytest.skip("no x86 kernel path runs here")
     import ctypes
     lib = native_backend.library(paths[0])
-    distances = (ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_bytes")  # the loaded library's globals (dlopen shares)
-    before = tuple(distances)
+    distances = (ctypes.c_int64 * 3).in_dll(lib, "sf_prefetch_bytes")  # the loaded library's globals (dlopen shares)
+    before = tuple(distances) + (ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value,)
     try:
-        monkeypatch.setenv("SPECFLEET_PREFETCH", "1234,5678")
+        monkeypatch.setenv("SPECFLEET_PREFETCH", "1234,5678,9012,1")
         native_backend._load(paths[0])
-        assert tuple(distances) == (1234, 5678)
+        assert tuple(distances) == (1234, 5678, 9012) and native_backend.tuning(paths[0])["prefetch_l2"]
+        monkeypatch.setenv("SPECFLEET_PREFETCH", "2345,6789")  # the grouped distance and L2 kept
+        native_backend._load(paths[0])
+        assert tuple(distances) == (2345, 6789, 9012) and native_backend.tuning(paths[0])["prefetch_l2"]
         monkeypatch.setenv("SPECFLEET_PREFETCH", "oops")
         assert native_backend._load(paths[0]) is not None
-        assert "keeping the compiled prefetch distances" in caplog.text and tuple(distances) == (1234, 5678)
+        assert "keeping the compiled prefetch distances" in caplog.text and tuple(distances) == (2345, 6789, 9012)
     finally:
         lib.specfleet_set_prefetch(*before)
 
 
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
-    """From how many activation rows weight rows go in pairs and fours (speed only; the bits are checked both ways
-    above): the compiled 2 unless GROUP_ROWS names the path, vendor and family (a Zen 4: 6) or SPECFLEET_GROUP_ROWS
-    overrides; a malformed override is named and ignored, and the kernels still load."""
+    """From how many activation rows weight rows go in pairs and fours, and past how many bytes of activations from 2
+    rows (speed only; the bits are checked all ways above): the compiled 2 and never unless GROUP_ROWS names the
+    path, vendor and family (a Zen 4: 6, and 2 past 16 KB) or SPECFLEET_GROUP_ROWS overrides; a malformed override
+    is named and ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_GROUP_ROWS", raising=False)
-    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 25) == 6
+    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 25) == (6, 16384)
     assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 26) is None
     assert native_backend.group_rows_setting("avx512vnni", "GenuineIntel", 6) is None
     assert native_backend.group_rows_setting("avx2", "AuthenticAMD", 25) is None
     monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "9")
-    assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == 9
-    for bad in ("x", "1", "4,5", str(1 << 21)):
+    assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == (9, -1)  # the bytes kept
+    monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "9,4096")
+    assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == (9, 4096)
+    for bad in ("x", "1", "4,-5", "4,5,6", str(1 << 21)):
         monkeypatch.setenv("SPECFLEET_GROUP_ROWS", bad)
         with pytest.raises(ValueError, match="SPECFLEET_GROUP_ROWS"):
             native_backend.group_rows_setting("avx2")
     paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
     if not paths:
         pytest.skip("no x86 kernel path runs here")
-    before = native_backend.tuning(paths[0])["group_min_rows"]
+    before = native_backend.tuning(paths[0])
     lib = native_backend.library(paths[0])
     try:
         monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "11")
@@ -217,7 +230,10 @@ def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
         monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "oops")
         assert native_backend._load(paths[0]) is not None
         assert "keeping the compiled grouping" in caplog.text and native_backend.tuning(paths[0])["group_min_rows"] == 11
-        lib.specfleet_set_grouping(0)  # below 2 means 2
+        lib.specfleet_set_grouping(0, 777)  # below 2 means 2
         assert native_backend.tuning(paths[0])["group_min_rows"] == 2
+        assert native_backend.tuning(paths[0])["group_act_bytes"] == 777
+        lib.specfleet_set_grouping(3, -1)  # negative bytes keep theirs
+        assert native_backend.tuning(paths[0])["group_act_bytes"] == 777
     finally:
-        lib.specfleet_set_grouping(before)
+        lib.specfleet_set_grouping(before["group_min_rows"], before["group_act_bytes"])

@@ -31,10 +31,22 @@
 /* The work split, shared by every product (q_linear.c, fused_linear.c). Which values they take changes
  * speed only, never a result. */
 /* the fewest activation rows a call must have for the weight rows to go two or four at a time
- * (DEFINE_COLUMNS_PAIRED / _QUAD below); fewer go row by row. Settable at run time (specfleet_set_grouping): on a
- * Zen 4, where 512-bit work runs in two halves, pairs and fours made 2-5 rows cost far more than row by row. */
+ * (DEFINE_COLUMNS_PAIRED / _QUAD below); fewer go row by row, unless the rows' activation quants (rows x arb bytes)
+ * exceed sf_group_act_bytes (0: never): then from 2 rows. Settable at run time (specfleet_set_grouping): on a Zen 4,
+ * where 512-bit work runs in two halves, pairs and fours made 2-5 rows cost far more than row by row where the
+ * activations are short (K = 1536), and less where they are long (K = 8960: row by row, every weight row reads
+ * 13 KB of activation quants a row again, which L1 does not hold). */
 extern int64_t sf_group_min_rows;
-extern int64_t sf_prefetch_bytes[2]; /* each body's: prefetch distance for one activation row, for more */
+extern int64_t sf_group_act_bytes;
+/* each body's prefetch distances: one activation row, more rows row by row, weight rows in pairs and fours */
+extern int64_t sf_prefetch_bytes[3];
+/* nonzero: prefetches for more than one activation row go to L2 rather than L1 (x86 stream_ahead), so weights
+ * read once do not push out of L1 the activation quants that every weight row reads again */
+extern int64_t sf_prefetch_l2;
+/* whether `rows` activation rows of `arb` bytes each take weight rows in pairs and fours */
+ALWAYS_INLINE int sf_grouped(int64_t rows, int64_t arb) {
+    return rows >= sf_group_min_rows || (rows >= 2 && sf_group_act_bytes > 0 && rows * arb > sf_group_act_bytes);
+}
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 /* the same for DEFINE_COLUMNS_QUAD (four weight rows unpacked at once): 16 rows share each unpack, which made the
  * 1.5B's Q4_K products over 854 prompt rows 6-13 % faster and a 9-row verification product 10 % faster than 8
@@ -419,7 +431,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
-        if (c1 - c0 >= sf_group_min_rows) /* (>= 2); else row by row */                         \
+        if (sf_grouped(c1 - c0, arb)) /* (>= 2 rows); else row by row */                         \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
@@ -461,7 +473,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,        \
                      const float *bias, int accumulate) {                                          \
-        if (c1 - c0 < sf_group_min_rows) { /* decode (one row) reads fastest row by row */     \
+        if (!sf_grouped(c1 - c0, arb)) { /* decode (one row) reads fastest row by row */       \
             NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
             return;                                                                                \
         }                                                                                          \

@@ -42,19 +42,28 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     return 0;
 }
 
-/* Set how far ahead the products prefetch their weights (the body's sf_prefetch_bytes: for one activation
- * row, for more); negative keeps a value. Changes no result. */
-void specfleet_set_prefetch(int64_t one_row, int64_t many_rows) {
+/* Set how the products prefetch their weights (the body's sf_prefetch_bytes: for one activation row, for more
+ * row by row, for weight rows in pairs and fours; and whether more rows prefetch into L2); negative keeps a
+ * value. Changes no result. */
+int64_t sf_prefetch_l2 = 0;
+void specfleet_set_prefetch(int64_t one_row, int64_t many_rows, int64_t grouped, int64_t l2) {
     if (one_row >= 0 && one_row <= (1 << 20)) sf_prefetch_bytes[0] = one_row;
     if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_bytes[1] = many_rows;
+    if (grouped >= 0 && grouped <= (1 << 20)) sf_prefetch_bytes[2] = grouped;
+    if (l2 >= 0) sf_prefetch_l2 = l2 != 0;
 }
 
-/* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h); fewer go
- * row by row. Below 2 means 2. Changes no result. */
+/* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h), and the
+ * activation bytes above which fewer rows (from 2) do too (0: never); fewer go row by row. Below 2 means 2,
+ * negative bytes keep the value. Changes no result. */
 int64_t sf_group_min_rows = 2;
-void specfleet_set_grouping(int64_t min_rows) { sf_group_min_rows = min_rows < 2 ? 2 : min_rows; }
+int64_t sf_group_act_bytes = 0;
+void specfleet_set_grouping(int64_t min_rows, int64_t act_bytes) {
+    sf_group_min_rows = min_rows < 2 ? 2 : min_rows;
+    if (act_bytes >= 0) sf_group_act_bytes = act_bytes;
+}
 
-int specfleet_q_abi(void) { return 9; } /* runtime/backends/native/kernels.py ABI */
+int specfleet_q_abi(void) { return 10; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }

@@ -10,7 +10,7 @@
  * (q_common.h's sf_g32_group). A row ends with sf_hsum8. */
 #include "../q_common.h"
 
-int64_t sf_prefetch_bytes[2] = {0, 0}; /* these bodies issue no prefetches (see arch/x86/quants_k.c) */
+int64_t sf_prefetch_bytes[3] = {0, 0, 0}; /* these bodies issue no prefetches (see arch/x86/quants_k.c) */
 
 const char *sfq_isa_name(void) { return "generic"; }
 

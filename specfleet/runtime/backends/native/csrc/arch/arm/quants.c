@@ -9,7 +9,7 @@
  * fp32 epilogue per block is the generic body's, lane by lane (vfmaq_f32 for its fmaf). */
 #include "arm.h"
 
-int64_t sf_prefetch_bytes[2] = {0, 0}; /* this body issues no prefetches (see arch/x86/quants_k.c) */
+int64_t sf_prefetch_bytes[3] = {0, 0, 0}; /* this body issues no prefetches (see arch/x86/quants_k.c) */
 
 const char *sfq_isa_name(void) { return "neondot"; }
 

@@ -49,14 +49,14 @@
  * faster on one core. */
 #include "x86.h"
 
-/* How far ahead stream_ahead prefetches weights (x86.h), for one activation row and for more. One row
- * (decode) is read fastest at 4 KB. With 512-bit VNNI, 2-9 rows (verification) run about 10 % faster at
- * 16 KB (benchmarks/RESULTS.md, Zen 5); the AVX2 and AVX-VNNI paths' many-row products are
- * compute-bound and keep 4 KB, which measured best there. */
+/* How far ahead stream_ahead prefetches weights (x86.h): for one activation row, for more row by row, and for
+ * weight rows in pairs and fours. One row (decode) is read fastest at 4 KB. With 512-bit VNNI, 2-9 rows
+ * (verification) run about 10 % faster at 16 KB (benchmarks/RESULTS.md, Zen 5); the AVX2 and AVX-VNNI paths'
+ * many-row products are compute-bound and keep 4 KB, which measured best there. Per CPU: kernels.py PREFETCH. */
 #ifdef SF_VNNI512
-int64_t sf_prefetch_bytes[2] = {4096, 16384};
+int64_t sf_prefetch_bytes[3] = {4096, 16384, 16384};
 #else
-int64_t sf_prefetch_bytes[2] = {4096, 4096};
+int64_t sf_prefetch_bytes[3] = {4096, 4096, 4096};
 #endif
 
 void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
@@ -296,8 +296,8 @@ ALWAYS_INLINE void dot2_q4_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     const b_q4_k *w0 = (const b_q4_k *)row0, *w1 = (const b_q4_k *)row1;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q4_k), R);
-        stream_ahead(&w1[b], sizeof(b_q4_k), R);
+        stream_ahead_grouped(&w0[b], sizeof(b_q4_k));
+        stream_ahead_grouped(&w1[b], sizeof(b_q4_k));
         __m256 fd2[2], fm2[2];
         q4k_float_scales2(&w0[b], &w1[b], fd2, fm2);
         const __m512 fd = pair_f(fd2[0], fd2[1]), fm = pair_f(fm2[0], fm2[1]);
@@ -374,10 +374,10 @@ ALWAYS_INLINE void dot4_q4_k(const uint8_t *row0, int64_t row_bytes, int64_t nb,
     const b_q4_k *w2 = (const b_q4_k *)(row0 + 2 * row_bytes), *w3 = (const b_q4_k *)(row0 + 3 * row_bytes);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q4_k), R);
-        stream_ahead(&w1[b], sizeof(b_q4_k), R);
-        stream_ahead(&w2[b], sizeof(b_q4_k), R);
-        stream_ahead(&w3[b], sizeof(b_q4_k), R);
+        stream_ahead_grouped(&w0[b], sizeof(b_q4_k));
+        stream_ahead_grouped(&w1[b], sizeof(b_q4_k));
+        stream_ahead_grouped(&w2[b], sizeof(b_q4_k));
+        stream_ahead_grouped(&w3[b], sizeof(b_q4_k));
         __m512 fd[2], fm[2];
         q4k_float_scales4(&w0[b], &w1[b], &w2[b], &w3[b], &fd[0], &fm[0], &fd[1], &fm[1]);
         __m512i q[2][8];
@@ -519,8 +519,8 @@ ALWAYS_INLINE void dot2_q6_k(const uint8_t *row0, const uint8_t *row1, int64_t n
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const b_q6_k *w0 = (const b_q6_k *)row0, *w1 = (const b_q6_k *)row1;
     for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w0[b], sizeof(b_q6_k), R);
-        stream_ahead(&w1[b], sizeof(b_q6_k), R);
+        stream_ahead_grouped(&w0[b], sizeof(b_q6_k));
+        stream_ahead_grouped(&w1[b], sizeof(b_q6_k));
         q6k_pair w;
         q6k_pair_unpack(&w0[b], &w1[b], &w);
         /* unrolled (R is a constant here): as a loop GCC kept the accumulators in memory and the rows'
@@ -551,7 +551,7 @@ ALWAYS_INLINE void dot4_q6_k(const uint8_t *row0, int64_t row_bytes, int64_t nb,
     const b_q6_k *w[4];
     for (int i = 0; i < 4; i++) w[i] = (const b_q6_k *)(row0 + i * row_bytes);
     for (int64_t b = 0; b < nb; b++) {
-        for (int i = 0; i < 4; i++) stream_ahead(&w[i][b], sizeof(b_q6_k), R);
+        for (int i = 0; i < 4; i++) stream_ahead_grouped(&w[i][b], sizeof(b_q6_k));
         q6k_pair p0, p1;
         q6k_pair_unpack(&w[0][b], &w[1][b], &p0);
         q6k_pair_unpack(&w[2][b], &w[3][b], &p1);

@@ -221,8 +221,8 @@ ALWAYS_INLINE void dot2_g32(int type, const uint8_t *row0, const uint8_t *row1, 
     const int sh = type == T_Q4_0 ? 3 : 4;
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *g0 = row0 + g * gbytes, *g1 = row1 + g * gbytes;
-        stream_ahead(g0, gbytes, R);
-        stream_ahead(g1, gbytes, R);
+        stream_ahead_grouped(g0, gbytes);
+        stream_ahead_grouped(g1, gbytes);
         __m256i w0[8], w1[8], u[8];
         g32_regs(type, g0, 8, w0, u);
         g32_regs(type, g1, 8, w1, u);
