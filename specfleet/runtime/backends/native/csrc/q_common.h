@@ -43,9 +43,14 @@ extern int64_t sf_prefetch_bytes[3];
 /* nonzero: prefetches for more than one activation row go to L2 rather than L1 (x86 stream_ahead), so weights
  * read once do not push out of L1 the activation quants that every weight row reads again */
 extern int64_t sf_prefetch_l2;
-/* whether `rows` activation rows of `arb` bytes each take weight rows in pairs and fours */
-ALWAYS_INLINE int sf_grouped(int64_t rows, int64_t arb) {
-    return rows >= sf_group_min_rows || (rows >= 2 && sf_group_act_bytes > 0 && rows * arb > sf_group_act_bytes);
+/* the fewest activation rows of `arb` bytes each that take weight rows in pairs and fours: sf_group_min_rows, or
+ * fewer (from 2) where that many rows' quants exceed sf_group_act_bytes. (A row count the callers compare with, as
+ * they compared with sf_group_min_rows: a yes/no function in its place made GCC lay out the one-row loops so that
+ * a Zen 4's decode through Q6_K ran 5-20 % slower.) */
+ALWAYS_INLINE int64_t sf_group_rows(int64_t arb) {
+    const int64_t by_bytes = sf_group_act_bytes > 0 && arb > 0 ? sf_group_act_bytes / arb + 1 : sf_group_min_rows;
+    const int64_t rows = by_bytes < sf_group_min_rows ? by_bytes : sf_group_min_rows;
+    return rows < 2 ? 2 : rows;
 }
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 /* the same for DEFINE_COLUMNS_QUAD (four weight rows unpacked at once): 16 rows share each unpack, which made the
@@ -431,7 +436,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
-        if (sf_grouped(c1 - c0, arb)) /* (>= 2 rows); else row by row */                         \
+        if (c1 - c0 >= sf_group_rows(arb)) /* (>= 2); else row by row */                         \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
                 const XT *xs[TILE];                                                               \
@@ -473,7 +478,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb, \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,        \
                      const float *bias, int accumulate) {                                          \
-        if (!sf_grouped(c1 - c0, arb)) { /* decode (one row) reads fastest row by row */       \
+        if (c1 - c0 < sf_group_rows(arb)) { /* decode (one row) reads fastest row by row */      \
             NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
             return;                                                                                \
         }                                                                                          \
