@@ -52,6 +52,14 @@ ALWAYS_INLINE int64_t sf_group_rows(int64_t arb) {
     const int64_t rows = by_bytes < sf_group_min_rows ? by_bytes : sf_group_min_rows;
     return rows < 2 ? 2 : rows;
 }
+/* How far ahead the kernels that take weight rows in pairs and fours prefetch, in the pass under way (each thread
+ * sets it before such a pass): sf_prefetch_bytes[2] where the activation rows are long (two exceed
+ * sf_group_act_bytes), else [1]. On a Zen 4 the long down product read fastest 16 KB ahead in groups, the
+ * 1536-wide products 4 KB ahead (16 KB made 9-16 rows of them 10-18 % slower). */
+extern _Thread_local int64_t sf_grouped_ahead;
+ALWAYS_INLINE int64_t sf_grouped_distance(int64_t arb) {
+    return sf_group_act_bytes > 0 && 2 * arb > sf_group_act_bytes ? sf_prefetch_bytes[2] : sf_prefetch_bytes[1];
+}
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 /* the same for DEFINE_COLUMNS_QUAD (four weight rows unpacked at once): 16 rows share each unpack, which made the
  * 1.5B's Q4_K products over 854 prompt rows 6-13 % faster and a 9-row verification product 10 % faster than 8
@@ -436,6 +444,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
         int64_t n = n0;                                                                           \
+        sf_grouped_ahead = sf_grouped_distance(arb);                                              \
         if (c1 - c0 >= sf_group_rows(arb)) /* (>= 2); else row by row */                         \
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                          \
                 const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                             \
@@ -482,6 +491,7 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
             NAME##_pair(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, ldy, bias, accumulate);       \
             return;                                                                                \
         }                                                                                          \
+        sf_grouped_ahead = sf_grouped_distance(arb);                                               \
         for (int64_t m0 = c0; m0 < c1; m0 += QUAD_TILE) {                                          \
             const int R = (int)(c1 - m0 < QUAD_TILE ? c1 - m0 : QUAD_TILE);                        \
             int64_t n = n0;                                                                        \

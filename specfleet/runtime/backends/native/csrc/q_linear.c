@@ -58,6 +58,7 @@ void specfleet_set_prefetch(int64_t one_row, int64_t many_rows, int64_t grouped,
  * negative bytes keep the value. Changes no result. */
 int64_t sf_group_min_rows = 2;
 int64_t sf_group_act_bytes = 0;
+_Thread_local int64_t sf_grouped_ahead = 4096;
 void specfleet_set_grouping(int64_t min_rows, int64_t act_bytes) {
     sf_group_min_rows = min_rows < 2 ? 2 : min_rows;
     if (act_bytes >= 0) sf_group_act_bytes = act_bytes;
