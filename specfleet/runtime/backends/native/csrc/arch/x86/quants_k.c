@@ -130,15 +130,20 @@ void sfq_quantize_row256(const float *x, int64_t K, xq256 *out) {
  * bits of sc/mn[0..3]; q4k_float_scales4 runs the same on four blocks, one per 128-bit lane. */
 #define Q4K_SM_A 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15
 #define Q4K_SM_B 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11
+/* From the shuffles a and b, in any register width (P the intrinsics' prefix: _mm, _mm256, _mm512; S the integer
+ * suffix: si128, si256, si512), the three candidates each lane's dword picks from: low6 (sc/mn[0..3]), lo4 and hi4
+ * (sc and mn[4..7]) */
+#define Q4K_SM_PARTS(P, S, a, b, low6, lo4, hi4)                                                               \
+    const __typeof__(a) m4_ = P##_set1_epi8(0x0f);                                                            \
+    const __typeof__(a) top_ = P##_slli_epi16(P##_and_##S(P##_srli_epi16(b, 6), P##_set1_epi8(0x03)), 4);      \
+    const __typeof__(a) low6 = P##_and_##S(a, P##_set1_epi8(0x3f));                                           \
+    const __typeof__(a) lo4 = P##_or_##S(P##_and_##S(a, m4_), top_);                                          \
+    const __typeof__(a) hi4 = P##_or_##S(P##_and_##S(P##_srli_epi16(a, 4), m4_), top_);
 ALWAYS_INLINE __m128i q4k_scales_mins(const b_q4_k *w) {
     const __m128i v = _mm_loadu_si128((const __m128i *)w);
     const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(Q4K_SM_A));
     const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(Q4K_SM_B));
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(0x03)), 4);
-    const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3f));
-    const __m128i lo4 = _mm_or_si128(_mm_and_si128(a, m4), top);
-    const __m128i hi4 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), top);
+    Q4K_SM_PARTS(_mm, si128, a, b, low6, lo4, hi4)
     return _mm_blend_epi32(_mm_blend_epi32(low6, lo4, 0x2), hi4, 0x8);
 }
 
@@ -168,11 +173,7 @@ ALWAYS_INLINE void q4k_float_scales2(const b_q4_k *w0, const b_q4_k *w1, __m256 
                                               _mm_loadu_si128((const __m128i *)w1), 1);
     const __m256i a = _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(_mm_setr_epi8(Q4K_SM_A)));
     const __m256i b = _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(_mm_setr_epi8(Q4K_SM_B)));
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 6), _mm256_set1_epi8(0x03)), 4);
-    const __m256i low6 = _mm256_and_si256(a, _mm256_set1_epi8(0x3f));
-    const __m256i lo4 = _mm256_or_si256(_mm256_and_si256(a, m4), top);
-    const __m256i hi4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), top);
+    Q4K_SM_PARTS(_mm256, si256, a, b, low6, lo4, hi4)
     const __m256i sm = _mm256_blend_epi32(_mm256_blend_epi32(low6, lo4, 0x22), hi4, 0x88);
     /* (d, dmin) of block 0 is dword 0 of the register, of block 1 dword 4: d0, dmin0, d1, dmin1 in fp32 */
     const __m256 dd = _mm256_castps128_ps256(
@@ -339,11 +340,7 @@ ALWAYS_INLINE void q4k_float_scales4(const b_q4_k *w0, const b_q4_k *w1, const b
     /* q4k_scales_mins in every lane */
     const __m512i a = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(Q4K_SM_A)));
     const __m512i b = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(Q4K_SM_B)));
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 6), _mm512_set1_epi8(0x03)), 4);
-    const __m512i low6 = _mm512_and_si512(a, _mm512_set1_epi8(0x3f));
-    const __m512i lo4 = _mm512_or_si512(_mm512_and_si512(a, m4), top);
-    const __m512i hi4 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), top);
+    Q4K_SM_PARTS(_mm512, si512, a, b, low6, lo4, hi4)
     const __m512i sm = _mm512_mask_blend_epi32(0x8888, _mm512_mask_blend_epi32(0x2222, low6, lo4), hi4);
     /* qwords: the scales of rows 0..3, then their mins */
     const __m512i g = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), sm);
