@@ -51,12 +51,14 @@ def setting(text: str) -> dict:
                 raise ValueError
             out = dict(zip(("one", "many", "group"), values))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS] or keys {KEYS}: {text}") from None
+        raise argparse.ArgumentTypeError(
+            f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS] or keys {KEYS}: {text}") from None
     if set(out) - set(KEYS):
         raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(out) - set(KEYS))} in {text} (known: {KEYS})")
     if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped") if k in out):
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
-    if out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20 or not 0 <= out.get("act", 0) <= 1 << 30:
+    if (out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20
+            or not 0 <= out.get("act", 0) <= 1 << 30):
         raise argparse.ArgumentTypeError(f"l2 is 0 or 1, group in [2, {1 << 20}], act in [0, {1 << 30}]: {text}")
     return out
 
@@ -107,12 +109,15 @@ def main() -> None:
                       "group_rows": s[4], "group_act_bytes": s[5],
                       **{f"ms_{n}": 1e3 * med[n] for n in ROWS},
                       **{f"c({n - 1})": med[n] / med[1] for n in ROWS[1:]}})
-        print("one={},many={},grouped={},l2={},group={},act={} ".format(*s) + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
+        print("one={},many={},grouped={},l2={},group={},act={} ".format(*s)
+              + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
               + "  c: " + " ".join(f"{med[n] / med[1]:.2f}" for n in ROWS[1:]), flush=True)
     cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
             *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
     body = (f"The default target's forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
-            f"rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups and the activation bytes from which 2 rows group), kernel ISA path {native_backend.isa()}; settings alternate in every "
+            "rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups and "
+            f"the activation bytes from which 2 rows group), kernel ISA path {native_backend.isa()}; settings "
+            "alternate in every "
             f"round, medians of {args.rounds} rounds.\n\n" + md_table(table, cols))
     payload = {"args": {"settings": args.settings, "rounds": args.rounds}, "kernel_isa": native_backend.isa(),
                "rows": ROWS, "times_s": {",".join(map(str, s)): {n: times[(s, n)] for n in ROWS} for s in args.settings},

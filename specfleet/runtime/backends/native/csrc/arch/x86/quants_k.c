@@ -176,8 +176,8 @@ ALWAYS_INLINE void q4k_float_scales2(const b_q4_k *w0, const b_q4_k *w1, __m256 
     Q4K_SM_PARTS(_mm256, si256, a, b, low6, lo4, hi4)
     const __m256i sm = _mm256_blend_epi32(_mm256_blend_epi32(low6, lo4, 0x22), hi4, 0x88);
     /* (d, dmin) of block 0 is dword 0 of the register, of block 1 dword 4: d0, dmin0, d1, dmin1 in fp32 */
-    const __m256 dd = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)))));
+    const __m256i heads = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm256_castsi256_si128(heads)));
     for (int i = 0; i < 2; i++) {
         const __m128i smi = i ? _mm256_extracti128_si256(sm, 1) : _mm256_castsi256_si128(sm);
         fd[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(2 * i)),

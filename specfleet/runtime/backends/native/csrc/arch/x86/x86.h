@@ -67,11 +67,11 @@ ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) 
  * (past a row's end, the next row's: rows follow each other), spread evenly over the blocks. The distance
  * depends on how many activation rows share the pass (R, a constant where the kernels are inlined):
  * sf_prefetch_bytes[0] for one row (decode), [1] for more row by row (verification, prefill); the kernels that
- * take weight rows in pairs and fours use sf_grouped_ahead ([2] for long activation rows, else [1]; q_common.h). With sf_prefetch_l2 set, passes over
- * more than one activation row prefetch into L2 instead of L1: there the activation quants, which every weight
- * row reads again, stay in L1 (on a Zen 4 the 1.5B's down product, 8960 wide, verified 2-5 rows in 9-13 ms
- * against 14-20 ms prefetching into L1). All settable at run time (specfleet_set_prefetch) so one process can
- * compare them. Prefetches change no result. */
+ * take weight rows in pairs and fours use sf_grouped_ahead ([2] for long activation rows, else [1]; q_common.h).
+ * With sf_prefetch_l2 set, passes over more than one activation row prefetch into L2 instead of L1: there the
+ * activation quants, which every weight row reads again, stay in L1 (on a Zen 4 the 1.5B's down product, 8960
+ * wide, verified 2-5 rows in 9-13 ms against 14-20 ms prefetching into L1). All settable at run time
+ * (specfleet_set_prefetch) so one process can compare them. Prefetches change no result. */
 ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes, int l2) {
     if (l2)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
