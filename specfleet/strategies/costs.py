@@ -94,6 +94,7 @@ class StepCosts:
         self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
         self._memo: dict[tuple[int, int], float] = {}  # step_time answers, until the next step is added
+        self._theta: tuple[np.ndarray | None, bool] | None = None  # (_fit_theta, N varied), until the next step
         self.num_observations = 0
 
     @property
@@ -107,7 +108,35 @@ class StepCosts:
         self.fit.add((1.0, batch, nodes), seconds)
         self._curves.pop(batch, None)
         self._memo.clear()
+        self._theta = None
         self.num_observations += 1
+
+    def _supported(self, batch: int, nodes: int) -> bool:
+        """Whether a step of (batch, nodes) counts where curves and fits are made: its cell was timed min_support
+        times, or its batch size has fewer than two such cells yet (then every count counts; see _curve)."""
+        cells = self.cells.get(batch, {})
+        if cells.get(nodes, (0.0, 0))[1] >= self.min_support:
+            return True
+        return sum(c[1] >= self.min_support for c in cells.values()) < 2
+
+    def _fit_theta(self) -> tuple[np.ndarray | None, bool]:
+        """The least-squares fit T = a + b*B + g*N over the recent steps of supported cells (_supported), and
+        whether N varied among them. Like the curve, the fit leaves out a count timed too few times: one slow
+        first verification (3.3 plain steps for 2 nodes, at batch 1 on a Zen 4) had made the fit's slope 1.1 plain
+        steps a node, beyond every count the curve knew, long after the cells had forgotten it."""
+        if self._theta is None:
+            rows = [(x, y) for x, y in self.fit.rows if self._supported(int(x[1]), int(x[2]))]
+            if not rows:
+                self._theta = (None, False)
+            else:
+                xs = np.array([x for x, _ in rows])
+                ys = np.array([y for _, y in rows])
+                self._theta = (np.linalg.lstsq(xs, ys, rcond=None)[0], len({x[2] for x, _ in rows}) > 1)
+        return self._theta
+
+    def _predict(self, batch: int, nodes: int) -> float | None:
+        theta = self._fit_theta()[0]
+        return None if theta is None else float(np.dot(theta, (1.0, batch, nodes)))
 
     def _curve(self, batch: int) -> tuple[list[int], list[float]]:
         """The per-N means, made non-decreasing. Once two node counts were timed at least min_support times,
@@ -126,8 +155,8 @@ class StepCosts:
         return self._curves[batch]
 
     def _fit_slope(self) -> float | None:
-        theta = self.fit.theta
-        return max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None
+        theta, varied = self._fit_theta()
+        return max(float(theta[2]), 0.0) if theta is not None and varied else None
 
     def step_time(self, batch: int, nodes: int) -> float:
         """Estimated seconds of a step (step units while nothing has been measured)."""
@@ -140,8 +169,8 @@ class StepCosts:
 
     def _step_time(self, batch: int, nodes: int) -> float:
         if batch not in self.cells:
-            pred = self.fit.predict((1.0, batch, nodes))
-            base = self.fit.predict((1.0, batch, 0))
+            pred = self._predict(batch, nodes)
+            base = self._predict(batch, 0)
             if pred is None or base is None or base <= 0:  # extrapolating to a batch never seen: scale
                 near = min(self.cells, key=lambda b: abs(b - batch))
                 return self._step_time(near, nodes) * batch / near

@@ -106,6 +106,10 @@ class FleetConfig:
     # then measured, not extrapolated down from speculative steps, which at 8 streams once read 1.4x the plain
     # step and made the 0.5B look cheap (0.83x plain)
     explore_plain_every: int = 16
+    # at a batch size where no tree pays (_no_tree_pays), one step in this many undrafted ones, the interval doubling
+    # up to 32x, verifies the single likeliest node to re-time verification there (_probe_step; 0 = never): the
+    # verdict rests on timed speculative steps that an undrafted batch size never makes again
+    probe_every: int = 8
     # a forced re-measurement calls the expensive member for this many of the step's requests (those its cache is
     # least behind), their cheap trees untrimmed (0 = every request, as before): one request's chain re-measures
     # its acceptance as well as eight, and at 8 streams forcing it for every request (their prompts fed to the
@@ -166,13 +170,14 @@ class FleetConfig:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
                 or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0 \
+                or self.probe_every < 0 \
                 or not self.first_feed_steps >= 0 or self.answer_window < 0 or self.answer_min_samples < 1 \
                 or self.prior_answer_tokens < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
                                       "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0, "
                                       "first_feed_steps >= 0, answer_window >= 0, answer_min_samples >= 1, "
-                                      "prior_answer_tokens >= 0")
+                                      "prior_answer_tokens >= 0, probe_every >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -246,6 +251,8 @@ class FleetProposer:
         self._explore_gap = {j: cfg.explore_every for j in self.expensive}
         self._forced_calls = {j: 0 for j in self.expensive}  # forced calls made so far (FleetConfig.explore_first)
         self._plain_gap: dict[int, int] = {}  # batch size -> its steps since a forced plain step (_sample_plain)
+        # batch size -> [its undrafted steps since the last probe, the undrafted steps before the next] (_probe_due)
+        self._probe_gaps: dict[int, list[int]] = {}
         self._pending: dict[str, _Pending] = {}
         self._plan: tuple[float, int, int, dict[str, tuple[int, int]]] | None = None
         # the engine's measurement of the step since the last plan (observe_step); without an engine (a fleet
@@ -265,6 +272,7 @@ class FleetProposer:
         self.num_request_steps = 0  # (request, step) pairs: the denominator of the shares
         self.num_undrafted_steps = 0  # steps where no draft could pay at their batch size: nothing was drafted
         self.num_plain_samples = 0  # plain steps decoded to time the plain step at a batch size (_sample_plain)
+        self.num_probes = 0  # undrafted steps that verified one node to re-time verification (_probe_step)
         self.chosen: dict[str, int] = {n: 0 for n in names + ["merged", "plain"]}
         self.chosen_by_batch: dict[int, dict[str, int]] = {}  # batch size -> the same counts at that size
         self._stats = {n: {"drafted": 0, "accepted": 0} for n in names}
@@ -288,7 +296,10 @@ class FleetProposer:
         self.num_request_steps += len(requests)
         batch = self._last_batch = len(requests)
         if self._no_tree_pays(batch):
+            if self._probe_due(batch):
+                return self._probe_step(requests, batch)
             return self._plain_step(requests, batch)
+        self._probe_gaps.pop(batch, None)
         if self._sample_plain(batch):
             return self._plain_step(requests, batch, sample=True)
         explore = {j for j in self.expensive if self.config.explore_every and self._since_called[j] >= self._explore_gap[j]}
@@ -445,6 +456,56 @@ class FleetProposer:
         per = batch if self.padded and batch > 1 else 1
         return all((1 + n) * share <= margin * (share + self._extra(batch, 0, n) / per)
                    for n in range(1, self.num_speculative_tokens + 1))
+
+    def _probe_due(self, batch: int) -> bool:
+        """Whether this step, at a batch size where no tree pays (_no_tree_pays), probes instead (_probe_step):
+        after `probe_every` undrafted steps there, then after twice as many each time (up to 32x), the interval
+        starting over once a step there drafts again. The verdict rests on timed speculative steps, and a batch size
+        that drafts nothing is never timed speculating again: one slow first verification (3.3 plain steps for 2
+        nodes at batch 1, Zen 4) had held the weightless fleet plain for a whole run, 1.05x plain against 1.29x in
+        the run before. Decided from history only, so a sampled request's output is unaffected."""
+        every = self.config.probe_every
+        if not every:
+            return False
+        gap = self._probe_gaps.setdefault(batch, [0, every])
+        gap[0] += 1
+        if gap[0] < gap[1]:
+            return False
+        gap[0], gap[1] = 0, min(2 * gap[1], 32 * every)
+        return True
+
+    def _probe_step(self, requests: list, batch: int) -> dict[str, DraftTree]:
+        """A step that re-times verification where no tree pays: the cheap members draft (and keep learning) and
+        one node is verified, the one of highest path probability over the step's requests and candidates, so the
+        step is timed at one node more than plain. One node is the cheapest measurement and the count whose cost
+        decides _no_tree_pays first; once it is timed as cheap, the fleet drafts and verifies as it estimates
+        again. Nothing is verified when no cheap member proposed anything (the interval still grows)."""
+        self.num_probes += 1
+        cands: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in requests}
+        spent = {r.request_id: 0.0 for r in requests}
+        for j in self.cheap:
+            self._call(j, requests, None, cands, spent)
+        top = None  # (path probability, request index, member, tree, node)
+        for i, r in enumerate(requests):
+            for j, tree, probs in self._scored(r, cands[r.request_id]):
+                if len(tree):
+                    node = ranked(probs)[0][0]  # a root child: path probabilities never grow down a path
+                    if top is None or probs[node] > top[0]:
+                        top = (probs[node], i, j, tree, node)
+        out, per, share = {}, {}, self.steps.share(batch)
+        for i, r in enumerate(requests):
+            rid = r.request_id
+            pend = self._pending[rid] = _Pending(r.num_tokens, list(self._context(rid)), cands[rid])
+            name = "plain"
+            if top is not None and top[1] == i:
+                p, _, j, tree, node = top
+                pend.verified = Option(j, tree.subtree([node]), 1.0 + p, share + spent[rid])
+                out[rid] = pend.verified.tree
+                name = "merged" if j == MERGED else self.members[j].name
+            self._count_choice(batch, name)
+            per[rid] = (r.num_tokens, len(out[rid]) if rid in out else 0)
+        self._plan = (self.clock(), batch, batch if out and self.padded and batch > 1 else len(out), per)
+        return out
 
     def _sample_plain(self, batch: int) -> bool:
         """Whether this step decodes plain to time the plain step at this batch size (explore_plain_every):
@@ -798,6 +859,7 @@ class FleetProposer:
             "steps": self.num_steps,
             "undrafted_steps": self.num_undrafted_steps,
             "plain_samples": self.num_plain_samples,
+            "probes": self.num_probes,
             "forced_feeds_skipped": self.num_forced_feeds_skipped,
             "request_steps": self.num_request_steps,
             "share": {n: round(c / steps, 4) for n, c in self.chosen.items()},
