@@ -390,6 +390,16 @@ class Acceptance:
         s, n = self.counts[c, d, r]
         return float((s + self.shrink * pooled) / (n + self.shrink))
 
+    def upper(self, ctx: int, depth: int, rank: int, bonus: float) -> float:
+        """An optimistic estimate: p plus `bonus` standard errors, the error from the (decayed) observations of
+        this depth and rank over all contexts and the prior's pseudo-observations (at most 1)."""
+        p = self.p(ctx, depth, rank)
+        if bonus <= 0:
+            return p
+        _, d, r = self._cell(ctx, depth, rank)
+        n = self.pooled[d, r, 1] + sum(self.prior)
+        return float(min(1.0, p + bonus * np.sqrt(p * (1.0 - p) / n)))
+
     def path_probs(self, tree: DraftTree, ctx: int) -> list[float]:
         """P(node is on the accepted path) for every node of `tree`."""
         out: list[float] = []

@@ -106,6 +106,13 @@ class FleetConfig:
     # then measured, not extrapolated down from speculative steps, which at 8 streams once read 1.4x the plain
     # step and made the 0.5B look cheap (0.83x plain)
     explore_plain_every: int = 16
+    # whether an expensive member is called is judged on its acceptance plus this many standard errors (the errors
+    # of few observations; 0 = the estimate alone): its acceptance is only observed when it is called, so a few
+    # early rejections kept the 0.5B uncalled for whole runs. On 4 HumanEval prompts its first-token acceptance read
+    # 0.43-0.72 after the first prompt in 4 of 6 fresh fleets (true ~0.87); they called it on 3-23 % of the steps
+    # and ran 159-223 steps against 111-123 where the first calls went well. Its trees, once drafted, compete on
+    # the plain estimates, and so is a call that would first feed it a request's prompt
+    call_bonus: float = 1.0
     # at a batch size where no tree pays (_no_tree_pays), one step in this many undrafted ones, the interval doubling
     # up to 32x, verifies the single likeliest node to re-time verification there (_probe_step; 0 = never): the
     # verdict rests on timed speculative steps that an undrafted batch size never makes again
@@ -170,14 +177,14 @@ class FleetConfig:
         if self.margin <= 0 or self.explore_every < 0 or self.prior_node_cost < 0 or self.window < 4 \
                 or self.explore_budget < 0 or self.explore_plain_every < 0 or self.explore_requests < 0 \
                 or self.explore_first < 0 or self.explore_depth < 0 or not self.prior_catch_up >= 0 \
-                or self.probe_every < 0 \
+                or self.probe_every < 0 or not self.call_bonus >= 0 \
                 or not self.first_feed_steps >= 0 or self.answer_window < 0 or self.answer_min_samples < 1 \
                 or self.prior_answer_tokens < 0:
             raise InvalidRequestError("fleet: need margin > 0, explore_every >= 0, prior_node_cost >= 0, window >= 4, "
                                       "explore_budget >= 0, explore_plain_every >= 0, explore_requests >= 0, "
                                       "explore_first >= 0, explore_depth >= 0, prior_catch_up >= 0, "
                                       "first_feed_steps >= 0, answer_window >= 0, answer_min_samples >= 1, "
-                                      "prior_answer_tokens >= 0, probe_every >= 0")
+                                      "prior_answer_tokens >= 0, probe_every >= 0, call_bonus >= 0")
         if not 0.0 < self.decay <= 1.0 or self.shrink < 0:
             raise InvalidRequestError(f"fleet: need 0 < decay <= 1 and shrink >= 0, got {self.decay}, {self.shrink}")
 
@@ -770,14 +777,16 @@ class FleetProposer:
         beats, for FleetConfig.explore_repay)."""
         acc, ctx = self.acceptance[j], self._context(r.request_id)[j]
         gap = self._gap(r, j)
-        invest, horizon = 0.0, 1.0
+        invest, horizon, bonus = 0.0, 1.0, self.config.call_bonus
         if gap > self._far(j):  # the catch-up is paid once and shared by the request's remaining steps
             invest, horizon = self._catch_up_seconds(j, gap - 1), self._remaining(r)
             gap = 1
+            if (r.request_id, j) not in self._seen:  # a request j never had: its prompt's feed is judged on the
+                bonus = 0.0  # estimates alone (an investment: tool loops' 1,400-token prompts, session 34)
         kmax = self._depth_cap(j)
         best_k, best_rate, perfect, e, path = 1, 0.0, 0.0, 1.0, 1.0
         for k in range(1, max(kmax, 1) + 1):
-            path *= acc.p(ctx, k, 0)
+            path *= acc.upper(ctx, k, 0, bonus)
             e += path
             draft = self.draft_costs[j].per_request(k, gap) if self.steps.measured else 0.0
             step = fixed + draft + self._extra(self._last_batch, planned, k)
