@@ -20,7 +20,9 @@ CPU. So the fleet, every step, for every request:
    is spread over the request's remaining steps (how many: learned from the lengths of the answers that finished
    before it, costs.AnswerLengths, at most its max_tokens left). It is called, for the requests where that rate
    beats both the best cheap rate and plain decoding, with the largest k they want; then its trees compete with
-   the cheap ones (its drafting time is spent by then);
+   the cheap ones (its drafting time is spent by then). This prediction takes the member's acceptance optimistically,
+   plus `call_bonus` standard errors of its estimate (none for a request whose prompt it has yet to be fed): its
+   acceptance is observed only when it is called, so an estimate that started low would otherwise stay low;
 3. verifies the candidate of best rate, or nothing when no rate beats plain decoding's 1 token per
    plain share (times `margin`).
 
@@ -31,7 +33,9 @@ best tree within it (_padded_plan).
 
 Before all that, a step at a batch size where no tree could pay whatever its acceptance (every depth's
 verification costs more than the tokens it could add, on the measured step costs: 8 streams on a
-2-core CPU) drafts nothing at all and is timed as a plain step.
+2-core CPU) drafts nothing at all and is timed as a plain step; after `probe_every` such steps (the interval
+doubling), one verifies the single likeliest node instead, so that a verdict resting on one slow step is
+re-timed.
 
 Learning: after the step, every point-mass candidate (chosen or not) is scored against the tokens the
 step committed: with point masses, a node is accepted exactly when the committed token at its depth
