@@ -41,23 +41,32 @@ from specfleet.core.tree import DraftTree
 
 class LinearFit:
     """Least squares y ~ x . theta over the last `window` observations (minimum-norm when a feature
-    never varied, so predictions along the observed data stay right)."""
+    never varied, so predictions along the observed data stay right); with `select`, over the observations it
+    keeps of them (asked again after each new observation)."""
 
-    def __init__(self, window: int = 256):
+    def __init__(self, window: int = 256, select=None):
         self.rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.select = select
+        self._kept: list | None = None  # the selected rows, until the next observation
         self._theta: np.ndarray | None = None
         self._varied: dict[int, bool] = {}  # answers of `varied`, until the next observation
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         self.rows.append((tuple(float(v) for v in x), float(y)))
-        self._theta = None
+        self._kept, self._theta = None, None
         self._varied.clear()
+
+    def _rows(self) -> list:
+        if self._kept is None:
+            self._kept = list(self.rows) if self.select is None else self.select(self.rows)
+        return self._kept
 
     @property
     def theta(self) -> np.ndarray | None:
-        if self._theta is None and self.rows:
-            xs = np.array([x for x, _ in self.rows])
-            ys = np.array([y for _, y in self.rows])
+        rows = self._rows()
+        if self._theta is None and rows:
+            xs = np.array([x for x, _ in rows])
+            ys = np.array([y for _, y in rows])
             self._theta = np.linalg.lstsq(xs, ys, rcond=None)[0]
         return self._theta
 
@@ -68,7 +77,7 @@ class LinearFit:
     def varied(self, feature: int) -> bool:
         """Whether `feature` took at least two values among the kept observations."""
         if feature not in self._varied:
-            self._varied[feature] = len({x[feature] for x, _ in self.rows}) > 1
+            self._varied[feature] = len({x[feature] for x, _ in self._rows()}) > 1
         return self._varied[feature]
 
 
@@ -86,7 +95,10 @@ def pool_adjacent_violators(values: list[float], weights: list[float]) -> list[f
 
 class StepCosts:
     def __init__(self, window: int = 256, cell_memory: int = 32, prior_node_cost: float = 0.1, min_support: int = 4):
-        self.fit = LinearFit(window)
+        # like the curve (_curve), the fit leaves out node counts timed too few times (_counted): one slow first
+        # verification (3.3 plain steps for 2 nodes, batch 1, Zen 4) had made its slope 1.1 plain steps a node,
+        # beyond every count the curve knew, long after the cells had forgotten it
+        self.fit = LinearFit(window, select=self._counted_rows)
         self.cell_memory = cell_memory  # a cell's mean follows roughly its last this many steps
         self.prior_node_cost = prior_node_cost
         # once two node counts were timed this often, a count timed fewer times is left out of the curve (_curve)
@@ -94,7 +106,6 @@ class StepCosts:
         self.cells: dict[int, dict[int, list[float]]] = {}  # batch -> nodes -> [mean seconds, count]
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
         self._memo: dict[tuple[int, int], float] = {}  # step_time answers, until the next step is added
-        self._theta: tuple[np.ndarray | None, bool] | None = None  # (_fit_theta, N varied), until the next step
         self.num_observations = 0
 
     @property
@@ -108,35 +119,26 @@ class StepCosts:
         self.fit.add((1.0, batch, nodes), seconds)
         self._curves.pop(batch, None)
         self._memo.clear()
-        self._theta = None
         self.num_observations += 1
 
-    def _supported(self, batch: int, nodes: int) -> bool:
-        """Whether a step of (batch, nodes) counts where curves and fits are made: its cell was timed min_support
-        times, or its batch size has fewer than two such cells yet (then every count counts; see _curve)."""
+    def _counted(self, batch: int) -> set[int]:
+        """The node counts at `batch` that curves and fits are made from: once two were timed `min_support` times,
+        those timed that often; before that every count seen, as the first steps must decide from something."""
         cells = self.cells.get(batch, {})
-        if cells.get(nodes, (0.0, 0))[1] >= self.min_support:
-            return True
-        return sum(c[1] >= self.min_support for c in cells.values()) < 2
+        often = {n for n, c in cells.items() if c[1] >= self.min_support}
+        return often if len(often) >= 2 else set(cells)
 
-    def _fit_theta(self) -> tuple[np.ndarray | None, bool]:
-        """The least-squares fit T = a + b*B + g*N over the recent steps of supported cells (_supported), and
-        whether N varied among them. Like the curve, the fit leaves out a count timed too few times: one slow
-        first verification (3.3 plain steps for 2 nodes, at batch 1 on a Zen 4) had made the fit's slope 1.1 plain
-        steps a node, beyond every count the curve knew, long after the cells had forgotten it."""
-        if self._theta is None:
-            rows = [(x, y) for x, y in self.fit.rows if self._supported(int(x[1]), int(x[2]))]
-            if not rows:
-                self._theta = (None, False)
-            else:
-                xs = np.array([x for x, _ in rows])
-                ys = np.array([y for _, y in rows])
-                self._theta = (np.linalg.lstsq(xs, ys, rcond=None)[0], len({x[2] for x, _ in rows}) > 1)
-        return self._theta
-
-    def _predict(self, batch: int, nodes: int) -> float | None:
-        theta = self._fit_theta()[0]
-        return None if theta is None else float(np.dot(theta, (1.0, batch, nodes)))
+    def _counted_rows(self, rows) -> list:
+        """The fit's observations (1, batch, nodes) -> seconds whose node count counts at their batch size."""
+        counted: dict[int, set[int]] = {}
+        out = []
+        for x, y in rows:
+            batch = int(x[1])
+            if batch not in counted:
+                counted[batch] = self._counted(batch)
+            if int(x[2]) in counted[batch]:
+                out.append((x, y))
+        return out
 
     def _curve(self, batch: int) -> tuple[list[int], list[float]]:
         """The per-N means, made non-decreasing. Once two node counts were timed at least min_support times,
@@ -146,17 +148,15 @@ class StepCosts:
         run's c(4) read 3.2 where its steps cost 1.5). Before that every count seen counts, as the first
         steps must decide from something."""
         if batch not in self._curves:
-            cells = sorted(self.cells[batch].items())
-            often = [(n, c) for n, c in cells if c[1] >= self.min_support]
-            if len(often) >= 2:
-                cells = often
+            counted = self._counted(batch)
+            cells = [(n, c) for n, c in sorted(self.cells[batch].items()) if n in counted]
             xs = [n for n, _ in cells]
             self._curves[batch] = (xs, pool_adjacent_violators([c[0] for _, c in cells], [c[1] for _, c in cells]))
         return self._curves[batch]
 
     def _fit_slope(self) -> float | None:
-        theta, varied = self._fit_theta()
-        return max(float(theta[2]), 0.0) if theta is not None and varied else None
+        theta = self.fit.theta
+        return max(float(theta[2]), 0.0) if theta is not None and self.fit.varied(2) else None
 
     def step_time(self, batch: int, nodes: int) -> float:
         """Estimated seconds of a step (step units while nothing has been measured)."""
@@ -169,8 +169,8 @@ class StepCosts:
 
     def _step_time(self, batch: int, nodes: int) -> float:
         if batch not in self.cells:
-            pred = self._predict(batch, nodes)
-            base = self._predict(batch, 0)
+            pred = self.fit.predict((1.0, batch, nodes))
+            base = self.fit.predict((1.0, batch, 0))
             if pred is None or base is None or base <= 0:  # extrapolating to a batch never seen: scale
                 near = min(self.cells, key=lambda b: abs(b - batch))
                 return self._step_time(near, nodes) * batch / near

@@ -736,7 +736,7 @@ def test_a_slow_first_verification_does_not_cap_the_trees_once_forgotten(monkeyp
     clean, _, _ = simulate(**kw)
     fleet, _, _ = simulate(**kw, slow_first=10.0)
     assert single_node_share(fleet) < 0.1 and single_node_share(clean) < 0.1
-    monkeypatch.setattr(StepCosts, "_supported", lambda self, batch, nodes: True)
+    monkeypatch.setattr(StepCosts, "_counted_rows", lambda self, rows: list(rows))
     control, _, _ = simulate(**kw, slow_first=10.0)
     assert single_node_share(control) > 0.5
 
