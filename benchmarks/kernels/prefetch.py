@@ -32,7 +32,7 @@ from specfleet.bench.gguf_micro import CONTEXT, _run, _tokens
 from specfleet.bench.report import md_table, write_results
 from specfleet.runtime.backends.native import kernels as native_backend
 
-ROWS = (1, 2, 3, 5, 9)
+ROWS = (1, 2, 3, 5, 6, 7, 9)  # 6-7: a tree of 5-6 nodes and its root, the one-stream fleet's usual verification
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
 
 

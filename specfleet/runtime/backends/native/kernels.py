@@ -185,8 +185,12 @@ PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
 # 1.17-1.18 row by row, and 5 rows 2.05-2.26 against 1.70-1.77; from 9 rows the fours win again (benchmarks/kernels/
 # prefetch.py --group, session 34). That holds for the 1536-wide products; the 8960-wide down product reads 13 KB of
 # activation quants a row for every weight row, which L1 does not hold for two rows, and there pairs and fours
-# (prefetching into L2) win from 2 rows (session 37). Keyed as PREFETCH.
-GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (6, 16384)}
+# (prefetching into L2) win from 2 rows (session 37). Session 34 timed 1, 2, 3, 5 and 9 rows and chose 6 between 5 and
+# 9; timed at 6-8 rows (session 39, the forward in one process, settings alternating, 8 rounds), the 1536-wide products
+# row by row made 6 and 7 rows 13-15 % faster (56.9 / 63.5 ms against 67.0 / 72.8) and 8 rows no slower, and from 9 rows
+# the two ways ran level (9-16 rows within 1 %): so from 9. A batch of 5-7 rows is the fleet's usual verification at one
+# stream. Keyed as PREFETCH.
+GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (9, 16384)}
 
 
 def _tuned(table: dict, path: str, vendor: str | None, family: int | None):
