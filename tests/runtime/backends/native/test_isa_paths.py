@@ -203,10 +203,10 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
     """From how many activation rows weight rows go in pairs and fours, and past how many bytes of activations from 2
     rows (speed only; the bits are checked all ways above): the compiled 2 and never unless GROUP_ROWS names the
-    path, vendor and family (a Zen 4: 9, and 2 past 16 KB) or SPECFLEET_GROUP_ROWS overrides; a malformed override
+    path, vendor and family (a Zen 4: 8, and 2 past 16 KB) or SPECFLEET_GROUP_ROWS overrides; a malformed override
     is named and ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_GROUP_ROWS", raising=False)
-    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 25) == (9, 16384)
+    assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 25) == (8, 16384)
     assert native_backend.group_rows_setting("avx512vnni", "AuthenticAMD", 26) is None
     assert native_backend.group_rows_setting("avx512vnni", "GenuineIntel", 6) is None
     assert native_backend.group_rows_setting("avx2", "AuthenticAMD", 25) is None
