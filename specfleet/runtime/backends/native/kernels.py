@@ -185,13 +185,10 @@ PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
 # 1.17-1.18 row by row, and 5 rows 2.05-2.26 against 1.70-1.77; from 9 rows the fours win again (benchmarks/kernels/
 # prefetch.py --group, session 34). That holds for the 1536-wide products; the 8960-wide down product reads 13 KB of
 # activation quants a row for every weight row, which L1 does not hold for two rows, and there pairs and fours
-# (prefetching into L2) win from 2 rows (session 37). Session 34 timed 1, 2, 3, 5 and 9 rows and chose 6 between 5 and
-# 9; timed at 6-9 rows (session 39, the forward in one process, settings alternating, 6-8 rounds), the 1536-wide
-# products row by row made 6 and 7 rows 7-15 % faster (55.6 / 62.1 ms against 60.9 / 67.0) and 8 rows 0-5 %, and from
-# 9 rows the two ways ran level. A tree of 5-6 nodes and its root is the fleet's usual verification at one stream. 8
-# rows (8 streams decoding plain) stay in groups: row by row there made plain decoding at 8 streams 4 % faster in one
-# run but not the fleet's batches of 9-10 rows, and the fleet fell to 0.91x of it (fleet-cpu-20261129T195317Z, against
-# 0.96x with groups from 6, ...T195955Z). Keyed as PREFETCH.
+# (prefetching into L2) win from 2 rows (session 37). From 8 rows (session 39): row by row made the 6- and 7-row
+# forwards (the fleet's usual verification at one stream) 7-15 % faster and ran level from 9; 8 rows stay in groups, as
+# row by row there sped plain decoding at 8 streams but not the fleet's 9-10 row batches (benchmarks/RESULTS.md).
+# Keyed as PREFETCH.
 GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (8, 16384)}
 
 
