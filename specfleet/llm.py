@@ -66,14 +66,36 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # (draft_cost.py, medians of 3 rounds of 4 prompts; draft-cost-cpu-20261128T204642Z, ...T204922Z); 1.39x / 1.13x /
 # 1.03x against 1.31x / 1.06x / 1.02x at 1 / 4 / 8 concurrent HumanEval streams (fleet-cpu-20261128T204925Z). It
 # costs ~0.35 GB of memory and ~1.6 s of loading. Without the 0.5B installed the default is the weightless fleet.
+# That holds where the kernels have an integer dot-product instruction (the VNNI paths; ARM's dot product is
+# unmeasured and keeps it). On the AVX2 path every verification row costs what its multiplies cost (a Zen 2 issues one
+# vector integer multiply a cycle: benchmarks/kernels/ports.py), and there the 0.5B's chains cost more than they
+# bring: on a Zen 2 (AMD EPYC family 23 model 49, session 40) the fleet with it made 1.235x plain on HumanEval and
+# 0.91x on ShareGPT (0.65x on the first round, a fresh fleet, as every `specfleet generate` has), against the
+# weightless fleet's 1.27x and 1.18x (draft-cost-cpu-20261201T222851Z, ...T223517Z); at 1 / 4 / 8 HumanEval streams
+# 1.135 / 1.135 / 1.03x against 1.09 / 1.09 / 1.05x (fleet-cpu-20261201T223627Z). Level on fresh code, a loss on
+# chat: so the AVX2 path's default is the weightless fleet, which ran above plain in every run; `--draft` still
+# takes the 0.5B there.
 CPU_DRAFT_MODEL = "qwen-0.5b[quant=q4_0]"
 DEFAULT_DRAFT = {"cpu": f"fleet(suffix,prompt-lookup,datastore,{CPU_DRAFT_MODEL})", "cuda": "fleet(suffix,prompt-lookup)"}
+# the kernels' ISA paths where the CPU default leaves the 0.5B out (its rows cost too much there, above)
+NO_MODEL_DRAFT_PATHS = frozenset({"avx2"})
+
+
+def _kernel_path() -> str | None:
+    """The GGUF kernels' ISA path in this process (SPECFLEET_ISA or the CPU's best); None where none runs or the
+    setting is not runnable (the model's loading then says why)."""
+    from specfleet.runtime.backends.native import kernels as native_backend
+
+    try:
+        return native_backend.isa()
+    except ValueError:
+        return None
 
 
 def default_draft(model: str, device, with_tokenizer: bool = True) -> str | None:
     """The draft `LLM()` (and the CLI's / server's `--draft default`) uses: the per-device default for the
     default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model. The CPU default's
-    0.5B member is left out where the 0.5B is not installed. A target handed in without a tokenizer
+    0.5B member is left out where the 0.5B is not installed, and on the AVX2 kernel path (NO_MODEL_DRAFT_PATHS). A target handed in without a tokenizer
     (`LLM.from_model`) drafts without the datastore, whose corpus is text to tokenize."""
     try:
         if lookup(str(model)).name != DEFAULT_MODEL:
@@ -81,7 +103,8 @@ def default_draft(model: str, device, with_tokenizer: bool = True) -> str | None
     except ModelLoadError:  # a path or an unregistered name
         return None
     draft = DEFAULT_DRAFT.get(getattr(device, "type", str(device)).split(":")[0], DEFAULT_DRAFT["cuda"])
-    if f",{CPU_DRAFT_MODEL}" in draft and not registry.is_installed(CPU_DRAFT_MODEL.split("[")[0]):
+    if f",{CPU_DRAFT_MODEL}" in draft and (not registry.is_installed(CPU_DRAFT_MODEL.split("[")[0])
+                                           or _kernel_path() in NO_MODEL_DRAFT_PATHS):
         draft = draft.replace(f",{CPU_DRAFT_MODEL}", "")
     return draft if with_tokenizer else draft.replace(",datastore", "")
 _USE_DEFAULT = object()

@@ -13,8 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'none', or a composition such as 'vote(qwen-0.5b,prompt-lookup)+adaptive' "
                         "(grammar in specfleet/strategies/spec_language.py); 'default' = the default draft of the "
                         "embedded 1.5B on this device (CPU: fleet(suffix,prompt-lookup,datastore,qwen-0.5b[quant=q4_0]), "
-                        "without the 0.5B where it is not installed; CUDA: fleet(suffix,prompt-lookup)), none for any "
-                        "other target")
+                        "without the 0.5B where it is not installed or the kernels run the AVX2 path; CUDA: "
+                        "fleet(suffix,prompt-lookup)), none for any other target")
     p.add_argument("--num-speculative-tokens", "--spec-len", "-k", dest="num_speculative_tokens", type=int, default=4,
                    help="draft tokens per step (chain length / tree depth); k= in a draft spec")
     p.add_argument("--tree-width", type=int, default=1, help="children per tree node; 1 = chain")
