@@ -67,8 +67,8 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # 1.03x against 1.31x / 1.06x / 1.02x at 1 / 4 / 8 concurrent HumanEval streams (fleet-cpu-20261128T204925Z). It
 # costs ~0.35 GB of memory and ~1.6 s of loading. Without the 0.5B installed the default is the weightless fleet.
 # That holds where the kernels have an integer dot-product instruction (the VNNI paths; ARM's dot product is
-# unmeasured and keeps it). On the AVX2 path every verification row costs what its multiplies cost (a Zen 2 issues one
-# vector integer multiply a cycle: benchmarks/kernels/ports.py), and there the 0.5B's chains cost more than they
+# unmeasured and keeps it). On the AVX2 path every verification row costs what its multiplies cost (a Zen 2 issues
+# one vector integer multiply a cycle: benchmarks/kernels/ports.py), and there the 0.5B's chains cost more than they
 # bring: on a Zen 2 (AMD EPYC family 23 model 49, session 40) the fleet with it made 1.235x plain on HumanEval and
 # 0.91x on ShareGPT (0.65x on the first round, a fresh fleet, as every `specfleet generate` has), against the
 # weightless fleet's 1.27x and 1.18x (draft-cost-cpu-20261201T222851Z, ...T223517Z); at 1 / 4 / 8 HumanEval streams
@@ -95,8 +95,9 @@ def _kernel_path() -> str | None:
 def default_draft(model: str, device, with_tokenizer: bool = True) -> str | None:
     """The draft `LLM()` (and the CLI's / server's `--draft default`) uses: the per-device default for the
     default model (by its name or an alias, e.g. `qwen-1.5b`), none for any other model. The CPU default's
-    0.5B member is left out where the 0.5B is not installed, and on the AVX2 kernel path (NO_MODEL_DRAFT_PATHS). A target handed in without a tokenizer
-    (`LLM.from_model`) drafts without the datastore, whose corpus is text to tokenize."""
+    0.5B member is left out where the 0.5B is not installed, and on the AVX2 kernel path (NO_MODEL_DRAFT_PATHS). A
+    target handed in without a tokenizer (`LLM.from_model`) drafts without the datastore, whose corpus is text to
+    tokenize."""
     try:
         if lookup(str(model)).name != DEFAULT_MODEL:
             return None

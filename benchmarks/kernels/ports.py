@@ -3,7 +3,7 @@
 The AVX2 kernels' products (specfleet/runtime/backends/native/csrc/arch/x86/quants_k.c) spend a Q4_K block and
 activation row on eight vpmaddubsw and one vpmaddwd: on a CPU that issues one vector integer multiply a cycle (a
 Zen 2) that is nine cycles a block and row at the least, whatever else runs, and so the floor of what a
-verification row costs; a CPU that issues two (a Zen 3) halves it. This measures it rather than trusting a table:
+verification row costs; a CPU that issues two halves it. This measures it rather than trusting a table:
 the clock from a chain of dependent scalar adds, then for each instruction eight independent register chains
 (its issue rate, per cycle), and four chains of it beside four of vpmaddubsw (the pair's rate: about 2 a cycle
 where the two run on different pipes, the multiply's rate alone where they share one). Prints a table and writes
@@ -31,7 +31,7 @@ ROLE = {"MADDUBS": "u8 x i8 pair sums (every product)", "MADD": "int16 pairs -> 
 
 def load() -> ctypes.CDLL:
     if native.machine_family() != "x86" or not {"avx2", "fma"} <= native.cpu_flags():
-        raise SystemExit("ports.py probes AVX2 + FMA instructions; this CPU has neither path")
+        raise SystemExit("ports.py probes AVX2 + FMA instructions, which this CPU lacks")
     lib = native.compile_library(SOURCE, ["-O2", "-fPIC", "-shared", "-std=c11", "-mavx2", "-mfma", "-Wall", "-Werror"])
     lib.sf_probe_clock.restype = lib.sf_probe_run.restype = ctypes.c_double
     lib.sf_probe_clock.argtypes = [ctypes.c_int64]

@@ -66,8 +66,8 @@ def cpu_family() -> int | None:
 def amd_core_name(family: int, model: int, flags: frozenset[str] | set[str]) -> str | None:
     """The AMD core generation of (family, model), where the numbers tell it: family 23 models 0x30 and up are Zen 2
     (Rome is model 49), below Zen or Zen+; family 25 is Zen 3, or Zen 4 where the CPU has AVX512 (both share the
-    family); family 26 is Zen 5. None for other families. Zen 2 issues one vector integer multiply a cycle (maddubs
-    and madd share a pipe), Zen 3 two: the AVX2 kernels' verification rows cost twice the multiplies' time on a Zen 2."""
+    family); family 26 is Zen 5. None for other families. A Zen 2 issues one vector integer multiply a cycle
+    (vpmaddubsw and vpmaddwd share a pipe: benchmarks/kernels/ports.py), which bounds its AVX2 verification rows."""
     if family == 23:
         return "Zen 2" if model >= 0x30 else "Zen/Zen+"
     if family == 25:
@@ -84,9 +84,8 @@ def cpu_family_model() -> str:
     family, model = _cpuinfo("cpu family"), _cpuinfo("model")
     if not (family and model):
         return "unknown"
-    core = None
-    if cpu_vendor() == "AuthenticAMD" and family.isdigit() and model.isdigit():
-        core = amd_core_name(int(family), int(model), cpu_flags())
+    amd = cpu_vendor() == "AuthenticAMD" and family.isdigit() and model.isdigit()
+    core = amd_core_name(int(family), int(model), cpu_flags()) if amd else None
     return f"family {family} model {model}" + (f", {core}" if core else "")
 
 
