@@ -26,7 +26,7 @@ from specfleet.runtime.sample.structured import GrammarCompiler, Matcher, compil
 from specfleet.runtime.kv.cache import KVCache, num_blocks_for_budget
 from specfleet.runtime.model.decoder import DecoderLM
 from specfleet.runtime.step.runner import ForwardItem, ModelRunner
-from specfleet.runtime.sample.sampling import make_generator
+from specfleet.runtime.sample.sampling import request_uniforms
 from specfleet.sampling_params import SamplingParams
 
 logger = logging.getLogger("specfleet.engine")
@@ -152,8 +152,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        generator = None if params.is_greedy else make_generator(params.seed, self.device)
-        req = Request(request_id, list(prompt_token_ids), params, generator)
+        uniforms = None if params.is_greedy else request_uniforms(params.seed)
+        req = Request(request_id, list(prompt_token_ids), params, uniforms)
         if params.structured_outputs is not None:
             req.grammar = grammar if grammar is not None else self.grammar_compiler().matcher(params.structured_outputs)
         self.requests[request_id] = req

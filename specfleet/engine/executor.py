@@ -155,7 +155,7 @@ class StepExecutor:
             rows, argmax = req.grammar.mask_rows(tree, rows), None
         if req.params.is_greedy:
             return verify_greedy(tree, argmax if argmax is not None else rows.argmax(-1).tolist())
-        return verify_sampled(tree, target_probs(rows, req.params), req.generator)
+        return verify_sampled(tree, target_probs(rows, req.params), req.uniforms, len(req.output_token_ids))
 
     def _commit(self, s: ScheduledRequest, tree: DraftTree, result: VerifyResult) -> Feedback:
         """Append the emitted tokens (stopping where a stop condition hits), keep the accepted KV."""

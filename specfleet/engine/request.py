@@ -14,14 +14,13 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specfleet.engine.detokenize import IncrementalText
 from specfleet.errors import InvalidRequestError
 from specfleet.outputs import SentOutput, TokenLogprob
 from specfleet.sampling_params import SamplingParams
 from specfleet.core.stats import SpecStats
 from specfleet.core.tree import DraftTree
+from specfleet.core.verify import KeyedUniforms
 from specfleet.runtime.sample.structured import Matcher
 from specfleet.core.features import FeatureLog
 
@@ -61,7 +60,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    # the target's uniforms, keyed by output position (core/verify.py KeyedUniforms); None when greedy
+    uniforms: KeyedUniforms | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     # origin of each output token: "target" (sampled or corrected by the target) or a proposer name

@@ -413,3 +413,38 @@ def test_draw_follows_the_distribution_and_never_draws_a_token_without_mass():
     assert chisquare(got, [1000, 2000, 1000]).pvalue > 1e-3
     # the same generator state gives the same draw
     assert draw(probs, torch.Generator().manual_seed(9)) == draw(probs, torch.Generator().manual_seed(9))
+
+
+def test_keyed_uniforms_are_uniform_and_depend_only_on_key_position_and_index():
+    from scipy.stats import kstest
+
+    from specfleet.core.verify import KeyedUniforms
+
+    u = KeyedUniforms(2024)
+    draws = np.array([u(t, i) for t in range(5000) for i in range(4)])
+    assert ((0.0 <= draws) & (draws < 1.0)).all()
+    assert kstest(draws, "uniform").pvalue > 1e-3
+    # neighbouring positions, indices and keys are not correlated
+    assert abs(np.corrcoef(draws[:-4], draws[4:])[0, 1]) < 0.05
+    other = np.array([KeyedUniforms(2025)(t, 0) for t in range(5000)])
+    assert abs(np.corrcoef(draws[::4], other)[0, 1]) < 0.05
+    assert u(17, 3) == KeyedUniforms(2024)(17, 3) != u(17, 2)  # a function, not a stream
+
+
+def test_point_mass_rows_emit_the_tokens_the_positions_uniforms_pick():
+    """Coupled verification: each emitted token is the draw of its row by u(position, 0), so the tree's
+    shape decides only how many tokens one step keeps, never which tokens they are."""
+    from specfleet.core.verify import KeyedUniforms, draw_at
+
+    vocab = 5
+    gen = torch.Generator().manual_seed(8)
+    tree = DraftTree([1, 2, 0, 3, 2], [-1, -1, 0, 0, 1], ["x"] * 5)
+    kept = 0
+    for trial in range(300):
+        rows = torch.softmax(torch.randn(6, vocab, generator=gen) * 2, -1)
+        u = KeyedUniforms(trial)
+        res = verify_sampled(tree, rows, u, position=40)
+        path_rows = [0] + [j + 1 for j in res.accepted_nodes]
+        assert res.emitted_tokens(tree) == [draw_at(rows[r], u(40 + d, 0)) for d, r in enumerate(path_rows)]
+        kept += res.num_accepted
+    assert kept > 100  # the tree's children were accepted often, not only the bonus draws checked

@@ -29,7 +29,7 @@ from specfleet.sampling_params import SamplingParams
 from specfleet.drafting.draft_model import DraftModelConfig, DraftModelProposer
 from specfleet.drafting.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specfleet.core.tree import DraftTree
-from specfleet.core.verify import VerifyResult
+from specfleet.core.verify import VerifyResult, draw_at
 from tiny_models import ours_from_hf, tiny_hf_model
 
 VOCAB = 8
@@ -100,13 +100,14 @@ def exact_joint(hf, prompt: list[int], params: SamplingParams) -> np.ndarray:
     return (joint / joint.sum()).numpy()
 
 
-def generate(target, proposer, prompt: list[int], params: dict, num_requests: int, seed0: int):
+def generate(target, proposer, prompt: list[int], params: dict, num_requests: int, seed0: int,
+             max_tokens: int = MAX_TOKENS):
     eng = Engine(target, None,
                  EngineConfig(CacheConfig(block_size=4, kv_cache_bytes=8 << 20),
                               SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 16,
                                               max_num_prefills=num_requests)),
                  proposer=proposer)
-    reqs = [eng.add_request(prompt, SamplingParams(seed=seed0 + i, max_tokens=MAX_TOKENS, ignore_eos=True, **params))
+    reqs = [eng.add_request(prompt, SamplingParams(seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True, **params))
             for i in range(num_requests)]
     final = {}
     while eng.has_unfinished():
@@ -114,7 +115,7 @@ def generate(target, proposer, prompt: list[int], params: dict, num_requests: in
             if out.finished:
                 final[out.request_id] = out.token_ids
     samples = np.array([final[r.request_id] for r in reqs])
-    assert samples.shape == (num_requests, MAX_TOKENS)
+    assert samples.shape == (num_requests, max_tokens)
     return samples, eng.stats
 
 
@@ -169,6 +170,26 @@ def test_output_distribution_matches_target(setup, kind, setting):
     assert p123 > ALPHA, f"(t1, t2, t3) distribution differs from the target's: p = {p123:.3g}"
 
 
+@pytest.mark.parametrize("setting", ["t1", "t1.3-p0.8"])
+def test_seeded_sampling_with_point_mass_drafts_is_plain_sampling_token_for_token(setup, setting):
+    """Rows whose children are all point masses are verified by coupling (core/verify.py): the uniform of
+    output position t decides token t whatever was drafted, so a seeded request samples exactly the text
+    plain decoding samples, for prompt lookup at two lengths and a deterministic draft-model tree alike.
+    The control: a draft that samples (the chain, verified by rejection) keeps the distribution (above)
+    but not the tokens, so the comparison does see a difference where there is one."""
+    hf, target, draft, prompt = setup
+    n, tokens = 200, 12
+    plain, _ = generate(target, None, prompt, PARAMS[setting], n, 77_000, tokens)
+    for proposer in (PromptLookupProposer(PromptLookupConfig(num_speculative_tokens=2, num_branches=2)),
+                     PromptLookupProposer(PromptLookupConfig(num_speculative_tokens=5)),
+                     make_proposer("tree", draft)):
+        spec, stats = generate(target, proposer, prompt, PARAMS[setting], n, 77_000, tokens)
+        assert stats.num_drafted > n and 0.0 < stats.acceptance_rate < 1.0, stats.as_dict()
+        assert (spec == plain).all(), f"{(spec != plain).any(1).sum()} of {n} requests differ from plain sampling"
+    chain, stats = generate(target, make_proposer("chain", draft), prompt, PARAMS[setting], n, 77_000, tokens)
+    assert stats.num_drafted > n and (chain != plain).any(1).sum() > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # power: deliberately lossy verifiers must be caught by the same statistic
 # ------------------------------------------------------------------------------------------------
@@ -179,30 +200,31 @@ def _children(tree: DraftTree) -> dict[int, list[int]]:
     return table
 
 
-def accept_every_draft(tree: DraftTree, probs: torch.Tensor, generator) -> VerifyResult:
+def accept_every_draft(tree: DraftTree, probs: torch.Tensor, uniforms, position: int = 0) -> VerifyResult:
     """Wrong: follows the first child at every level without a test, then samples a bonus from p."""
     children, node, accepted = _children(tree), -1, []
     while children.get(node):
         node = children[node][0]
         accepted.append(node)
-    return VerifyResult(accepted, int(torch.multinomial(probs[node + 1], 1, generator=generator)))
+    return VerifyResult(accepted, draw_at(probs[node + 1], uniforms(position + len(accepted), 0)))
 
 
-def forget_residual(tree: DraftTree, probs: torch.Tensor, generator) -> VerifyResult:
+def forget_residual(tree: DraftTree, probs: torch.Tensor, uniforms, position: int = 0) -> VerifyResult:
     """Wrong: the right acceptance test, but after rejections it resamples from p itself instead of
     the residual norm(max(p - q, 0)), so rejected tokens come back too often."""
     children, node, accepted = _children(tree), -1, []
     while True:
         p = probs[node + 1]
+        at = position + len(accepted)
         chosen = None
-        for c in children.get(node, []):
+        for i, c in enumerate(children.get(node, [])):
             x = tree.token_ids[c]
             q_x = 1.0 if tree.draft_probs is None else float(tree.draft_probs[c][x])
-            if q_x > 0 and float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+            if q_x > 0 and uniforms(at, 1 + i) * q_x < float(p[x]):
                 chosen = c
                 break
         if chosen is None:
-            return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator)))
+            return VerifyResult(accepted, draw_at(p, uniforms(at, 0)))
         accepted.append(chosen)
         node = chosen
 

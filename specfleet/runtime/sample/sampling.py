@@ -6,8 +6,11 @@ which is what makes speculative sampling lossless.
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
+from specfleet.core.verify import KeyedUniforms
 from specfleet.sampling_params import SamplingParams
 
 
@@ -37,6 +40,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def request_uniforms(seed: int | None) -> KeyedUniforms:
+    """The target's uniforms for one sampled request: keyed by its seed, or by 64 fresh random bits
+    (from the OS, not torch's global generator, so unseeded requests differ whatever the caller seeded)."""
+    return KeyedUniforms(secrets.randbits(64) if seed is None else seed)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
