@@ -138,8 +138,10 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor,
         row = target_probs[node + 1]
         kids = children.get(node, [])
         at = position + len(accepted)
-        qs = None if tree.draft_probs is None else [tree.draft_probs[c].to(row.device, torch.float32) for c in kids]
-        if qs is None or all(float(q[tree.token_ids[c]]) >= 1.0 for q, c in zip(qs, kids)):
+        # each child's q(x): 1 for a point mass, whether or not the tree records draft rows
+        q_xs = [1.0] * len(kids) if tree.draft_probs is None else \
+            [float(tree.draft_probs[c][tree.token_ids[c]]) for c in kids]
+        if all(q_x >= 1.0 for q_x in q_xs):
             # point masses only: coupling (module doc). y has p's distribution; accepting the child that
             # carries it keeps P(child x) = p(x) and leaves y to the residual otherwise
             y = draw_at(row, uniforms(at, 0))
@@ -151,13 +153,12 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor,
             continue
         p = row.clone()
         chosen = None
-        for i, (c, q) in enumerate(zip(kids, qs)):
-            x = tree.token_ids[c]
-            q_x, p_x = float(q[x]), float(p[x])
-            if q_x > 0 and uniforms(at, 1 + i) * q_x < p_x:
+        for i, (c, q_x) in enumerate(zip(kids, q_xs)):
+            if q_x > 0 and uniforms(at, 1 + i) * q_x < float(p[tree.token_ids[c]]):
                 chosen = c
                 break
-            p = (p - q).clamp_min_(0.0)  # rejected: remove the proposal's mass from p
+            # rejected: remove the proposal's mass from p
+            p = (p - tree.draft_probs[c].to(p.device, torch.float32)).clamp_min_(0.0)
             total = float(p.sum())
             if total <= 0.0:  # p was entirely covered by q (only possible through rounding): keep the row
                 p = row.clone()
