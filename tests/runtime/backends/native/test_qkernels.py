@@ -130,10 +130,12 @@ def test_k_kernels_do_not_overflow_their_int16_sums(qtype, sign):
     w = QTensor(raw.reshape(n, -1), qtype, (n, k))
     wd = dense64(w)
     assert (wd != 0).all()
-    x = torch.full((3, k), sign)
+    x = torch.full((12, k), sign)  # 3 rows, and 12: two groups of 6 in one pass on the AVX2 path (DEFINE_COLUMNS_WIDE)
+    x[3:] *= torch.linspace(0.5, 1.0, 9)[:, None]
     y = qlinear(x, w).double()
     ref = quantize_activations(x, qtype).double() @ wd.t()
     assert torch.allclose(y, ref, rtol=1e-5), (y, ref)
+    assert torch.equal(qlinear(x[:3], w), y[:3].float())
 
 
 @needs_native

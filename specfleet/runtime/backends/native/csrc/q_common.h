@@ -65,6 +65,12 @@ ALWAYS_INLINE int64_t sf_grouped_distance(int64_t arb) {
  * 1.5B's Q4_K products over 854 prompt rows 6-13 % faster and a 9-row verification product 10 % faster than 8
  * (Zen 5, 512-bit VNNI); the pair kernels keep 8 (Q6_K pairs over 16 rows ran slower) */
 #define QUAD_TILE 16
+/* DEFINE_COLUMNS_WIDE (the K formats on the AVX2 path) takes the last up to WIDE_TILE activation rows in one pass, the
+ * rest in tiles of TILE: a verification of 9-12 rows (a tree of 8-11 nodes and its root) is one pass over the weights.
+ * In tiles of 8 it was a pass of 8 rows and a second one for the rest, whose rows paid a whole weight row's unpacking
+ * and scales each. Past 12 rows the activations of one pass outgrow L1 (12 x 6 blocks x 384 B at the 1.5B's 1536-wide
+ * products), and tiles of 8 ran faster (benchmarks/RESULTS.md, session 42, Zen 3). */
+#define WIDE_TILE 12
 #define SF_RCH 64         /* weight rows per scheduled chunk: contiguous enough for the hardware prefetcher */
 #define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */
 #define SF_QUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread: cheaper than a fork and join */
@@ -432,6 +438,48 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                     *dst = accumulate ? *dst + v : v;                                             \
                 }                                                                                 \
             }                                                                                     \
+        }                                                                                         \
+    }
+
+/* DEFINE_COLUMNS with a last tile of up to WIDE_TILE activation rows: FN takes R = 1 .. WIDE_TILE (a row's bits do
+ * not depend on R, so the tiling changes no result). */
+#define SF_WIDE_CASE(FN, R_) case R_: FN(wrow, nb, xs, R_, out); break;
+#define DEFINE_COLUMNS_WIDE(NAME, FN, XT)                                                         \
+    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
+                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
+                     const float *bias, int accumulate) {                                         \
+        if (c1 - c0 == 1) {                                                                       \
+            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
+            float *yr = y + c0 * ldy;                                                             \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                float v;                                                                          \
+                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
+                if (bias) v += bias[n];                                                           \
+                yr[n] = accumulate ? yr[n] + v : v;                                               \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
+        for (int64_t m0 = c0; m0 < c1;) {                                                         \
+            const int R = (int)(c1 - m0 <= WIDE_TILE ? c1 - m0 : TILE);                           \
+            const XT *xs[WIDE_TILE];                                                              \
+            for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
+            for (int64_t n = n0; n < n1; n++) {                                                   \
+                const uint8_t *wrow = W + n * row_bytes;                                          \
+                float out[WIDE_TILE];                                                             \
+                switch (R) {                                                                      \
+                SF_WIDE_CASE(FN, 1) SF_WIDE_CASE(FN, 2) SF_WIDE_CASE(FN, 3) SF_WIDE_CASE(FN, 4)          \
+                SF_WIDE_CASE(FN, 5) SF_WIDE_CASE(FN, 6) SF_WIDE_CASE(FN, 7) SF_WIDE_CASE(FN, 8)          \
+                SF_WIDE_CASE(FN, 9) SF_WIDE_CASE(FN, 10) SF_WIDE_CASE(FN, 11)                             \
+                default: FN(wrow, nb, xs, WIDE_TILE, out); break;                                 \
+                }                                                                                 \
+                for (int r = 0; r < R; r++) {                                                     \
+                    float v = out[r];                                                             \
+                    if (bias) v += bias[n];                                                       \
+                    float *dst = y + (m0 + r) * ldy + n;                                          \
+                    *dst = accumulate ? *dst + v : v;                                             \
+                }                                                                                 \
+            }                                                                                     \
+            m0 += R;                                                                              \
         }                                                                                         \
     }
 

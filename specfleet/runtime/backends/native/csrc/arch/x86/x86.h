@@ -85,11 +85,12 @@ ALWAYS_INLINE void stream_ahead_grouped(const void *block, int64_t bytes) {
     prefetch_lines((const char *)block + sf_grouped_ahead, bytes, (int)sf_prefetch_l2);
 }
 
-#define ACC_INIT(R)                                             \
-    __m256 acc[TILE];                                              \
-    float cacc[TILE];                                              \
+#define ACC_INIT_N(R, N)                                        \
+    __m256 acc[N];                                                 \
+    float cacc[N];                                                 \
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.0f; } \
     (void)cacc;
+#define ACC_INIT(R) ACC_INIT_N(R, TILE)
 
 /* exp of a vector of floats: x clamped to [-87.3, 88.3], 2^n * p(r) with r = x - n ln 2 (|r| <= ln2 / 2) and
  * p the degree-7 Taylor-like polynomial of Cephes' expf (relative error about 2e-7). One body for both
