@@ -171,7 +171,9 @@ def isa(wanted: str | None = None) -> str | None:
 # with AVX512) 4 KB gave 2-9 rows 4-10 % faster forwards than 8-16 KB row by row (session 34), and prefetching into L2
 # let the long-K products in pairs and fours (the down product, 8960 wide) verify 2-5 rows in 9-13 ms against 14-20
 # ms (session 37); the AVX2 path, which goes row by row, verified 2 rows in 40.5 ms against 46.8 into L1 on that Zen 4
-# (AMD family 25 is Zen 3 as well, with the same 32 KB L1 and 512 KB L2; measured on the Zen 4 only). Keyed by ISA
+# (AMD family 25 is Zen 3 as well, with the same 32 KB L1 and 512 KB L2; on a Zen 3, session 42, into L2 or L1 were level
+# within that machine's drift at 1-9 rows; no one-row prefetch and 8 KB made decode slower: 74 and 72 ms a one-row
+# forward against 67-69). Keyed by ISA
 # path, vendor and CPU family (None: any family of the vendor).
 PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
     ("avx512vnni", "GenuineIntel", None): (4096, 4096, 4096, 0),
