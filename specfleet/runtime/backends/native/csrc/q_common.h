@@ -399,7 +399,19 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
 
 /* Output columns [n0, n1) for activation rows [c0, c1) of one format: FN is inlined with a constant
  * tile height, so the loops over a weight row's blocks carry no dispatch. */
-#define DEFINE_COLUMNS(NAME, FN, XT)                                                              \
+/* The column function NAME over FN: activation rows in tiles of TILE, the last up to LAST rows in one (CASES: FN's
+ * calls with R = 1 .. LAST, constants so that FN inlines for each) */
+#define SF_ROWS_CASE(FN, R_) case R_: FN(wrow, nb, xs, R_, out); break;
+#define SF_CASES_TILE(FN)                                                                         \
+    SF_ROWS_CASE(FN, 1) SF_ROWS_CASE(FN, 2) SF_ROWS_CASE(FN, 3) SF_ROWS_CASE(FN, 4)              \
+    SF_ROWS_CASE(FN, 5) SF_ROWS_CASE(FN, 6) SF_ROWS_CASE(FN, 7)                                  \
+    default: FN(wrow, nb, xs, TILE, out); break;
+#define SF_CASES_WIDE(FN)                                                                         \
+    SF_ROWS_CASE(FN, 1) SF_ROWS_CASE(FN, 2) SF_ROWS_CASE(FN, 3) SF_ROWS_CASE(FN, 4)              \
+    SF_ROWS_CASE(FN, 5) SF_ROWS_CASE(FN, 6) SF_ROWS_CASE(FN, 7) SF_ROWS_CASE(FN, 8)              \
+    SF_ROWS_CASE(FN, 9) SF_ROWS_CASE(FN, 10) SF_ROWS_CASE(FN, 11)                                \
+    default: FN(wrow, nb, xs, WIDE_TILE, out); break;
+#define DEFINE_COLUMNS_UPTO(NAME, FN, XT, LAST, CASES)                                            \
     static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
                      int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
                      const float *bias, int accumulate) {                                         \
@@ -414,64 +426,14 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
             }                                                                                     \
             return;                                                                               \
         }                                                                                         \
-        for (int64_t m0 = c0; m0 < c1; m0 += TILE) {                                              \
-            const int R = (int)(c1 - m0 < TILE ? c1 - m0 : TILE);                                 \
-            const XT *xs[TILE];                                                                   \
-            for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
-            for (int64_t n = n0; n < n1; n++) {                                                   \
-                const uint8_t *wrow = W + n * row_bytes;                                          \
-                float out[TILE];                                                                  \
-                switch (R) {                                                                      \
-                case 1: FN(wrow, nb, xs, 1, out); break;                                          \
-                case 2: FN(wrow, nb, xs, 2, out); break;                                          \
-                case 3: FN(wrow, nb, xs, 3, out); break;                                          \
-                case 4: FN(wrow, nb, xs, 4, out); break;                                          \
-                case 5: FN(wrow, nb, xs, 5, out); break;                                          \
-                case 6: FN(wrow, nb, xs, 6, out); break;                                          \
-                case 7: FN(wrow, nb, xs, 7, out); break;                                          \
-                default: FN(wrow, nb, xs, 8, out); break;                                         \
-                }                                                                                 \
-                for (int r = 0; r < R; r++) {                                                     \
-                    float v = out[r];                                                             \
-                    if (bias) v += bias[n];                                                       \
-                    float *dst = y + (m0 + r) * ldy + n;                                          \
-                    *dst = accumulate ? *dst + v : v;                                             \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-
-/* DEFINE_COLUMNS with a last tile of up to WIDE_TILE activation rows: FN takes R = 1 .. WIDE_TILE (a row's bits do
- * not depend on R, so the tiling changes no result). */
-#define SF_WIDE_CASE(FN, R_) case R_: FN(wrow, nb, xs, R_, out); break;
-#define DEFINE_COLUMNS_WIDE(NAME, FN, XT)                                                         \
-    static void NAME(const uint8_t *W, int64_t row_bytes, int64_t nb, const uint8_t *a, int64_t arb,  \
-                     int64_t c0, int64_t c1, int64_t n0, int64_t n1, float *y, int64_t ldy,          \
-                     const float *bias, int accumulate) {                                         \
-        if (c1 - c0 == 1) {                                                                       \
-            const XT *x1[1] = {(const XT *)(a + c0 * arb)};                                       \
-            float *yr = y + c0 * ldy;                                                             \
-            for (int64_t n = n0; n < n1; n++) {                                                   \
-                float v;                                                                          \
-                FN(W + n * row_bytes, nb, x1, 1, &v);                                             \
-                if (bias) v += bias[n];                                                           \
-                yr[n] = accumulate ? yr[n] + v : v;                                               \
-            }                                                                                     \
-            return;                                                                               \
-        }                                                                                         \
         for (int64_t m0 = c0; m0 < c1;) {                                                         \
-            const int R = (int)(c1 - m0 <= WIDE_TILE ? c1 - m0 : TILE);                           \
-            const XT *xs[WIDE_TILE];                                                              \
+            const int R = (int)(c1 - m0 <= LAST ? c1 - m0 : TILE);                                \
+            const XT *xs[LAST];                                                                   \
             for (int r = 0; r < R; r++) xs[r] = (const XT *)(a + (m0 + r) * arb);                 \
             for (int64_t n = n0; n < n1; n++) {                                                   \
                 const uint8_t *wrow = W + n * row_bytes;                                          \
-                float out[WIDE_TILE];                                                             \
-                switch (R) {                                                                      \
-                SF_WIDE_CASE(FN, 1) SF_WIDE_CASE(FN, 2) SF_WIDE_CASE(FN, 3) SF_WIDE_CASE(FN, 4)          \
-                SF_WIDE_CASE(FN, 5) SF_WIDE_CASE(FN, 6) SF_WIDE_CASE(FN, 7) SF_WIDE_CASE(FN, 8)          \
-                SF_WIDE_CASE(FN, 9) SF_WIDE_CASE(FN, 10) SF_WIDE_CASE(FN, 11)                             \
-                default: FN(wrow, nb, xs, WIDE_TILE, out); break;                                 \
-                }                                                                                 \
+                float out[LAST];                                                                  \
+                switch (R) { CASES(FN) }                                                          \
                 for (int r = 0; r < R; r++) {                                                     \
                     float v = out[r];                                                             \
                     if (bias) v += bias[n];                                                       \
@@ -482,6 +444,10 @@ int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
             m0 += R;                                                                              \
         }                                                                                         \
     }
+#define DEFINE_COLUMNS(NAME, FN, XT) DEFINE_COLUMNS_UPTO(NAME, FN, XT, TILE, SF_CASES_TILE)
+/* DEFINE_COLUMNS with a last tile of up to WIDE_TILE activation rows: FN takes R = 1 .. WIDE_TILE (a row's bits do
+ * not depend on R, so the tiling changes no result) */
+#define DEFINE_COLUMNS_WIDE(NAME, FN, XT) DEFINE_COLUMNS_UPTO(NAME, FN, XT, WIDE_TILE, SF_CASES_WIDE)
 
 /* The same with weight rows taken two at a time where an activation tile has more than one row: FN2
  * (rows n and n + 1, one pass over both) must give each row the bits FN gives it alone (the odd last
