@@ -65,7 +65,7 @@ ALWAYS_INLINE int64_t sf_grouped_distance(int64_t arb) {
  * 1.5B's Q4_K products over 854 prompt rows 6-13 % faster and a 9-row verification product 10 % faster than 8
  * (Zen 5, 512-bit VNNI); the pair kernels keep 8 (Q6_K pairs over 16 rows ran slower) */
 #define QUAD_TILE 16
-/* DEFINE_COLUMNS_WIDE (the K formats on the AVX2 path) takes the last up to WIDE_TILE activation rows in one pass, the
+/* DEFINE_COLUMNS_WIDE (Q4_K on the AVX2 path) takes the last up to WIDE_TILE activation rows in one pass, the
  * rest in tiles of TILE: a verification of 9-12 rows (a tree of 8-11 nodes and its root) is one pass over the weights.
  * In tiles of 8 it was a pass of 8 rows and a second one for the rest, whose rows paid a whole weight row's unpacking
  * and scales each. Past 12 rows the activations of one pass outgrow L1 (12 x 6 blocks x 384 B at the 1.5B's 1536-wide

@@ -572,20 +572,11 @@ ALWAYS_INLINE void dot4_q6_k(const uint8_t *row0, int64_t row_bytes, int64_t nb,
 
 #endif
 #else /* AVX2 */
-/* Q4_K takes up to WIDE_TILE activation rows (DEFINE_COLUMNS_WIDE) in one pass over the weights: more than 8 rows go
- * in two groups of at most 6 (the int16 sums of a group stay in registers), which share the block's scales; each group
- * unpacks the block's quants again (four loads and twelve logic instructions). In tiles of 8, 9-12 rows were a tile of
- * 8 and one of 1-4 rows, which decoded every block's scales again and whose few rows carried a block's whole set-up:
- * on a Zen 3, 9-12 rows of a 2048 x 1536 product took 0.89-0.98 of that time (benchmarks/RESULTS.md, session 42).
- * Q6_K gained nothing so (0.96-1.45: its unpacking is dearer, and the weight rows of a scheduled chunk are still in L2
- * for the second tile) and keeps tiles of 8. A row's instructions are the same in any group, so its bits do not depend
- * on R. */
-/* Q4_K block b against activation rows r0 .. r0 + n - 1 (n <= 6, a constant where inlined), as dot_q4_k_tile takes
- * each row */
+/* Q4_K block b against activation rows r0 .. r0 + n - 1 (n <= 8, a constant where inlined) */
 ALWAYS_INLINE void q4k_rows_avx2(const b_q4_k *wb, __m256 fd, __m256 fm, const xq256 *const *x, int64_t b, int r0,
                                  int n, __m256 *acc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256i p[8]; /* int16 sums over the block's registers, per activation row */
+    __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
     for (int c = 0; c < 4; c++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(wb->qs + 32 * c));
         const __m256i lo = _mm256_and_si256(q, m4);
@@ -602,52 +593,25 @@ ALWAYS_INLINE void q4k_rows_avx2(const b_q4_k *wb, __m256 fd, __m256 fm, const x
         acc[r0 + r] = q4k_block_acc(_mm256_madd_epi16(p[r], _mm256_set1_epi16(1)), fd, fm, &x[r0 + r][b], acc[r0 + r]);
 }
 
-ALWAYS_INLINE void dot_q4_k_tile(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
-    ACC_INIT(R)
-    const b_q4_k *w = (const b_q4_k *)wrow;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        stream_ahead(&w[b], sizeof(b_q4_k), R);
-        __m256 fd, fm;
-        q4k_float_scales(&w[b], &fd, &fm);
-        __m256i p[TILE]; /* int16 sums over the block's registers, per activation row */
-        for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * c));
-            const __m256i lo = _mm256_and_si256(q, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xq = x[r][b].q;
-                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, loadx(xq + 32 * c)),
-                                                   _mm256_maddubs_epi16(hi, loadx(xq + 128 + 32 * c)));
-                p[r] = c ? _mm256_add_epi16(p[r], t) : t;
-                KEEP(p[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) /* the int16 pairs of each dword summed: the sub-block totals */
-            acc[r] = q4k_block_acc(_mm256_madd_epi16(p[r], _mm256_set1_epi16(1)), fd, fm, &x[r][b], acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-/* 9 .. WIDE_TILE rows: two groups of at most 6, sharing each block's scales */
-ALWAYS_INLINE void dot_q4_k_wide(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
+/* Up to WIDE_TILE activation rows (DEFINE_COLUMNS_WIDE) in one pass over the weights: up to 8 in one group, more in two
+ * of at most 6 (the int16 sums of a group stay in registers), which share each block's scales; each group unpacks the
+ * block's quants again (four loads and twelve logic instructions). In tiles of 8, 9-12 rows were a tile of 8 and one
+ * of 1-4 rows, which decoded every block's scales again and whose few rows carried a block's whole set-up: on a Zen 3,
+ * 9-12 rows of a 2048 x 1536 product take 0.83-0.98 of that time (benchmarks/RESULTS.md, session 42). Q6_K gained
+ * nothing so (its unpacking is dearer, and a scheduled chunk's weight rows are still in L2 for a second tile) and keeps
+ * tiles of 8. A row's instructions are the same in any group, so its bits do not depend on R. */
+ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
     ACC_INIT_N(R, WIDE_TILE)
     const b_q4_k *w = (const b_q4_k *)wrow;
-    const int G = (R + 1) / 2;
+    const int G = R <= TILE ? R : (R + 1) / 2;
     for (int64_t b = 0; b < nb; b++) {
         stream_ahead(&w[b], sizeof(b_q4_k), R);
         __m256 fd, fm;
         q4k_float_scales(&w[b], &fd, &fm);
         q4k_rows_avx2(&w[b], fd, fm, x, b, 0, G, acc);
-        q4k_rows_avx2(&w[b], fd, fm, x, b, G, R - G, acc);
+        if (R > G) q4k_rows_avx2(&w[b], fd, fm, x, b, G, R - G, acc);
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
-}
-/* up to TILE rows as before (TILE accumulators), more in one pass (dot_q4_k_wide) */
-ALWAYS_INLINE void dot_q4_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
-    if (R <= TILE)
-        dot_q4_k_tile(wrow, nb, x, R, out);
-    else
-        dot_q4_k_wide(wrow, nb, x, R, out);
 }
 
 ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const *x, int R, float *out) {
