@@ -66,9 +66,10 @@ def quant_fns(qtype: T, shapes: dict, rng, path: str | None = None) -> list:
     return [(lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes) for w in ws]
 
 
-def gguf_fns(path: str) -> tuple[list, dict]:
-    """Every supported matrix of the file but the embedding, as QTensors over its memory map; checks the
-    kernel on 64 rows of the first matrix of each format against gguf-py's dequantization."""
+def gguf_fns(path: str, isa: str | None = None) -> tuple[list, dict]:
+    """Every supported matrix of the file but the embedding, as QTensors over its memory map, through the kernels
+    of ISA path `isa` (default: the one qlinear uses); checks the kernel on 64 rows of the first matrix of each
+    format against gguf-py's dequantization."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -86,7 +87,9 @@ def gguf_fns(path: str) -> tuple[list, dict]:
             if err > 1e-5:
                 raise SystemExit(f"the {w.qtype.name} kernel disagrees with gguf-py on {t.name}")
             checked.add(w.qtype)
-        fns.append((lambda x, w=w: qlinear(x, w), w.shape[1], torch.float32, w.nbytes))
+        lib = native_backend.library(isa) if isa else None
+        run = (lambda x, w=w, lib=lib: qtensor.run_qlinear(lib, x, w)) if lib is not None else (lambda x, w=w: qlinear(x, w))
+        fns.append((run, w.shape[1], torch.float32, w.nbytes))
         shapes[t.name] = w.shape
     return fns, shapes
 
@@ -140,8 +143,10 @@ def main() -> None:
         print(f"the native kernels are UNAVAILABLE here ({native_backend.unavailable_reason()}): timing the fallback")
     load_before = os.getloadavg()[0]  # other processes on a shared machine: in the report
     if args.gguf:
-        fns, shapes = gguf_fns(args.gguf)
-        systems = {"gguf file": fns}
+        systems = {}
+        for path in args.isa or [None]:  # the file's matrices through each ISA path named (alternating)
+            fns, shapes = gguf_fns(args.gguf, path)
+            systems[f"gguf file {path}" if path else "gguf file"] = fns
     else:
         shapes = {**SHAPES, **(HEAD if args.head else {})}
         rng = np.random.default_rng(0)

@@ -156,7 +156,7 @@ def _gguf_checks(part: str, size: str, target: float, micro: bool = False) -> tu
                          "micro:prefill_128_tok_s", 0.9),)
     if micro and size == "1.5B":
         # verification rows nearly free: steady-state c(k) ceilings, tighter where the kernels have VNNI
-        vnni = _kernel_path() in ("avxvnni", "avx512vnni")
+        vnni = _kernel_path() in ("avxvnni", "avx512vnni", "amx")
         c4 = 1.2 if vnni else 1.6
         checks += (Check("1.5B verification cost c(2) <= 1.25", part, nat, nat, "micro:c(2)", 0.0, at_most=1.25),
                    Check(f"1.5B verification cost c(4) <= {c4} ({'VNNI' if vnni else 'AVX2'} path)", part, nat, nat,

@@ -11,7 +11,8 @@ layers.c, k_pack.c) and the contract (q_common.h) are arch-free C; each path lin
 family's bodies (`BODIES`): csrc/arch/x86/ (AVX2, AVX-VNNI, AVX512-VNNI), csrc/arch/arm/ (NEON with the
 dot product) or csrc/generic/ (plain C that any compiler builds).
 
-ISA paths, best first (`ISA_PATHS`): `avx512vnni`, `avxvnni`, `avx2` on x86-64 Linux, `neondot` on
+ISA paths, best first (`ISA_PATHS`): `amx` (the 512-bit VNNI path whose Q4_K products over a prompt's
+rows run on AMX's int8 tiles, csrc/arch/x86/amx_k.h), `avx512vnni`, `avxvnni`, `avx2` on x86-64 Linux, `neondot` on
 aarch64 Linux. The CPU's flags pick the best one it runs; `SPECFLEET_ISA` (or RuntimeConfig.isa) pins a
 slower one. `generic` runs on any Linux machine with a C compiler but is never picked by itself (it is
 the reference the tests pin, tests/runtime/backends/native/test_csrc_generic.py). Each path is its own build, every path gives
@@ -55,6 +56,8 @@ BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=
 FAMILY_FLAGS = {"x86": ["-mavx2", "-mfma", "-mf16c"], "arm": ["-march=armv8.2-a+dotprod"], "generic": []}
 # name -> (the CPU flags the path needs, what it adds to its family's flags), best first
 ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "amx": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8")),
     "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
     "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
@@ -62,7 +65,7 @@ ISA_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "neondot": (("asimddp",), ()),
     "generic": ((), ()),
 }
-FAMILY = {"avx512vnni": "x86", "avxvnni": "x86", "avx2": "x86", "neondot": "arm", "generic": "generic"}
+FAMILY = {"amx": "x86", "avx512vnni": "x86", "avxvnni": "x86", "avx2": "x86", "neondot": "arm", "generic": "generic"}
 
 
 def sources(path: str) -> list[Path]:
@@ -176,6 +179,7 @@ def isa(wanted: str | None = None) -> str | None:
 # forward against 67-69). Keyed by ISA
 # path, vendor and CPU family (None: any family of the vendor).
 PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
+    ("amx", "GenuineIntel", None): (4096, 4096, 4096, 0),
     ("avx512vnni", "GenuineIntel", None): (4096, 4096, 4096, 0),
     ("avx512vnni", "AuthenticAMD", 25): (4096, 4096, 16384, 1),
     ("avx2", "AuthenticAMD", 25): (4096, 4096, 4096, 1),

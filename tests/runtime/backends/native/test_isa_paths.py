@@ -82,6 +82,21 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
         fast.specfleet_set_prefetch(-1, -1, -1, int(before["prefetch_l2"]))
 
 
+def test_amx_tiles_give_the_vnni_bits_over_a_prompts_rows():
+    """The amx path's Q4_K products over 32 and more activation rows run on the tile unit (csrc/arch/x86/amx_k.h):
+    several 16-row tiles per call and a short last one, weight rows past the last group of 16, two calls' chunks of
+    64 rows, the 1.5B's widths; each row's bits must be the 512-bit VNNI path's (and so the AVX2 path's)."""
+    amx, vnni = _lib_or_skip("amx"), _lib_or_skip("avx512vnni")
+    assert amx.specfleet_amx_tiles() == 1, "the OS refused the tile state: these bits would be the VNNI kernels'"
+    torch.manual_seed(43)
+    for n, k in ((70, 1536), (40, 2304)):
+        w = random_blocks(T.Q4_K, n, k, seed=n)
+        x = torch.randn(130, k) * torch.logspace(-2, 1, k)
+        want = run_qlinear(vnni, x, w)
+        for m in (31, 32, 33, 47, 64, 65, 130):
+            assert torch.equal(run_qlinear(amx, x[:m], w), want[:m]), f"rows={m} n={n} k={k}"
+
+
 @pytest.mark.parametrize("path", FAST_PATHS)
 def test_fused_products_give_the_avx2_bits(path):
     """q/k/v-style parts of mixed formats behind RMSNorm, and a SiLU * up product added to its output."""

@@ -659,7 +659,11 @@ ALWAYS_INLINE void dot_q6_k(const uint8_t *wrow, int64_t nb, const xq256 *const 
 
 #endif /* SF_VNNI */
 
-#if defined(SF_VNNI512)
+#if defined(SF_AMX)
+DEFINE_COLUMNS_QUAD(cols_q4_k_vnni, dot_q4_k, dot2_q4_k, dot4_q4_k, xq256, 2)
+DEFINE_COLUMNS_QUAD(cols_q6_k, dot_q6_k, dot2_q6_k, dot4_q6_k, xq256, 6)
+#include "amx_k.h"
+#elif defined(SF_VNNI512)
 DEFINE_COLUMNS_QUAD(cols_q4_k, dot_q4_k, dot2_q4_k, dot4_q4_k, xq256, 2)
 DEFINE_COLUMNS_QUAD(cols_q6_k, dot_q6_k, dot2_q6_k, dot4_q6_k, xq256, 6)
 #elif defined(SF_VNNI)

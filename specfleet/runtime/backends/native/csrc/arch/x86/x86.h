@@ -25,7 +25,14 @@ ALWAYS_INLINE float hsum8(__m256 v) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SF_VNNI 1
 #define SF_VNNI512 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* "amx": the 512-bit VNNI path whose K-format products over several activation rows run on AMX's int8 tile unit
+ * (quants_k.c, the end); one row (decode) and every rest stay on the VNNI kernels, with the same bits */
+#define SF_AMX 1
+#define SF_ISA_NAME "amx"
+#else
 #define SF_ISA_NAME "avx512vnni"
+#endif
 ALWAYS_INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
 #define SF_VNNI 1
