@@ -156,6 +156,8 @@ def isa(wanted: str | None = None) -> str | None:
     wherever a C compiler is), else the best the CPU runs; None where no path runs. An unknown path, or
     one the CPU cannot run, is a ValueError."""
     wanted = (wanted if wanted is not None else os.environ.get("SPECFLEET_ISA", "")).strip().lower()
+    if not wanted and _default is not None:  # the library in use (the best path, or the next where it failed to build)
+        return _default.specfleet_q_isa().decode()
     paths = runnable_isas()
     if wanted:
         if wanted not in ISA_PATHS:
@@ -308,6 +310,12 @@ def library(path: str | None = None) -> ctypes.CDLL | None:
             _reasons.setdefault("?", str(e))
             return None
         lib = library(path or "avx2")  # no runnable path: _load says why (missing())
+        if lib is None and path and not os.environ.get("SPECFLEET_ISA", "").strip():
+            # the best path did not build here (say, a compiler without -mamx-tile): the next one the CPU runs
+            for other in runnable_isas()[runnable_isas().index(path) + 1:] if path in runnable_isas() else []:
+                lib = library(other)
+                if lib is not None:
+                    break
         _default = lib
         return lib
     if path in _libs:

@@ -82,6 +82,20 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
         fast.specfleet_set_prefetch(-1, -1, -1, int(before["prefetch_l2"]))
 
 
+def test_a_best_path_that_does_not_build_falls_back_to_the_next(monkeypatch):
+    """A CPU whose best path cannot be built here (a compiler without that path's flags) keeps native kernels: the
+    next path it runs, named as the one in use."""
+    paths = native_backend.runnable_isas()
+    if len(paths) < 2:
+        pytest.skip(f"one runnable path here ({paths})")
+    monkeypatch.delenv("SPECFLEET_ISA", raising=False)
+    monkeypatch.setattr(native_backend, "_default", None)
+    monkeypatch.setitem(native_backend._libs, paths[0], None)  # as if its build had failed
+    lib = native_backend.library()
+    assert lib is not None and lib.specfleet_q_isa().decode() == paths[1]
+    assert native_backend.isa() == paths[1]
+
+
 def test_amx_tiles_give_the_vnni_bits_over_a_prompts_rows():
     """The amx path's Q4_K products over 32 and more activation rows run on the tile unit (csrc/arch/x86/amx_k.h):
     several 16-row tiles per call and a short last one, weight rows past the last group of 16, two calls' chunks of
