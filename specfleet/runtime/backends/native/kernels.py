@@ -181,7 +181,6 @@ def isa(wanted: str | None = None) -> str | None:
 # forward against 67-69). Keyed by ISA
 # path, vendor and CPU family (None: any family of the vendor).
 PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
-    ("amx", "GenuineIntel", None): (4096, 4096, 4096, 0),
     ("avx512vnni", "GenuineIntel", None): (4096, 4096, 4096, 0),
     ("avx512vnni", "AuthenticAMD", 25): (4096, 4096, 16384, 1),
     ("avx2", "AuthenticAMD", 25): (4096, 4096, 4096, 1),
@@ -200,9 +199,14 @@ PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
 GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (8, 16384)}
 
 
+# paths whose settings are another path's: `amx` runs decode and verification on the avx512vnni kernels
+TUNED_AS = {"amx": "avx512vnni"}
+
+
 def _tuned(table: dict, path: str, vendor: str | None, family: int | None):
     vendor = native.cpu_vendor() if vendor is None else vendor
     family = native.cpu_family() if family is None else family
+    path = TUNED_AS.get(path, path)
     return table.get((path, vendor, family), table.get((path, vendor, None)))
 
 
@@ -312,7 +316,8 @@ def library(path: str | None = None) -> ctypes.CDLL | None:
         lib = library(path or "avx2")  # no runnable path: _load says why (missing())
         if lib is None and path and not os.environ.get("SPECFLEET_ISA", "").strip():
             # the best path did not build here (say, a compiler without -mamx-tile): the next one the CPU runs
-            for other in runnable_isas()[runnable_isas().index(path) + 1:] if path in runnable_isas() else []:
+            paths = runnable_isas()
+            for other in paths[paths.index(path) + 1:] if path in paths else []:
                 lib = library(other)
                 if lib is not None:
                     break

@@ -196,6 +196,7 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
     ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_PREFETCH", raising=False)
     assert native_backend.prefetch_setting("avx512vnni", "GenuineIntel", 6) == (4096, 4096, 4096, 0)
+    assert native_backend.prefetch_setting("amx", "GenuineIntel", 6) == (4096, 4096, 4096, 0)  # the VNNI path's
     assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 26) is None  # Zen 5: the compiled default
     assert native_backend.prefetch_setting("avx512vnni", "AuthenticAMD", 25) == (4096, 4096, 16384, 1)  # Zen 4
     assert native_backend.prefetch_setting("avx2", "GenuineIntel", 6) is None

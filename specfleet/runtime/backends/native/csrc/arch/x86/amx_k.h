@@ -77,7 +77,7 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
     _Alignas(64) int8_t A[AMX_ROWS][256];
     _Alignas(64) int32_t C[4][AMX_ROWS][16];
     _Alignas(64) float fd[AMX_ROWS][8], fm[AMX_ROWS][8];
-    static __thread __m512 acc[AMX_PASSES][AMX_ROWS][8];
+    static _Thread_local __m512 acc[AMX_PASSES][AMX_ROWS][8]; /* 32 KB: per thread, not on the stack */
     for (int q = 0; q < Q; q++)
         for (int n = 0; n < AMX_ROWS; n++)
             for (int u = 0; u < 8; u++) acc[q][n][u] = _mm512_setzero_ps();
