@@ -156,9 +156,11 @@ def isa(wanted: str | None = None) -> str | None:
     wherever a C compiler is), else the best the CPU runs; None where no path runs. An unknown path, or
     one the CPU cannot run, is a ValueError."""
     wanted = (wanted if wanted is not None else os.environ.get("SPECFLEET_ISA", "")).strip().lower()
-    if not wanted and _default is not None:  # the library in use (the best path, or the next where it failed to build)
-        return _default.specfleet_q_isa().decode()
     paths = runnable_isas()
+    if not wanted and _default is not None:  # the library in use (the best path, or the next where it failed to build),
+        loaded = _default.specfleet_q_isa().decode()  # where it is one this CPU runs (not under a simulated CPU's flags)
+        if loaded in paths:
+            return loaded
     if wanted:
         if wanted not in ISA_PATHS:
             raise ValueError(f"ISA path {wanted!r} (SPECFLEET_ISA) is not a kernel path; choose one of {list(ISA_PATHS)}")
