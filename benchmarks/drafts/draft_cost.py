@@ -9,7 +9,9 @@ r-th slice), so a draft that learns across requests (the suffix tree) meets new 
 user's session does. The target is loaded once and shared (LLM.from_model). Per variant and round:
 
 - tok/s and the ratio to plain decoding in the same round (the speed-up);
-- tokens per step, drafted tokens per step, and acceptance per drafted token;
+- tokens per step, drafted tokens per step, acceptance per drafted token (accepted / drafted) and per-token
+  acceptance (accepted / judged: the chance the target keeps a drafted token whose prefix it kept, the alpha of
+  the speculative-sampling papers, also by position; core/stats.py);
 - reach by depth: the share of steps whose accepted run reached depth j (j = 1..k);
 - d: the variant's drafting seconds per drafted token over the plain step (1 / plain tok/s, same round);
 - verify: the target's seconds per speculative step over the plain step (the c(k) the variant paid);
@@ -35,7 +37,8 @@ def run_variant(llm, prompts: list[list[int]], tokens: int) -> dict:
     from specfleet.sampling_params import SamplingParams
 
     s = llm.engine.stats
-    before = (s.num_steps, s.num_drafted, s.num_accepted, s.draft_time, s.verify_time, list(s.accepted_at_depth))
+    before = (s.num_steps, s.num_drafted, s.num_accepted, s.draft_time, s.verify_time, list(s.accepted_at_depth),
+              s.num_reached, list(s.reached_at_depth))
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs, wall = [], 0.0
     for p in prompts:
@@ -45,10 +48,13 @@ def run_variant(llm, prompts: list[list[int]], tokens: int) -> dict:
     steps, drafted, accepted = s.num_steps - before[0], s.num_drafted - before[1], s.num_accepted - before[2]
     depth_before = before[5] + [0] * (len(s.accepted_at_depth) - len(before[5]))
     reach = [a - b for a, b in zip(s.accepted_at_depth, depth_before)]
+    judged_before = before[7] + [0] * (len(s.reached_at_depth) - len(before[7]))
+    judged = [a - b for a, b in zip(s.reached_at_depth, judged_before)]
     n = sum(map(len, outs))
     return {"tok_s": n / wall, "tokens": n, "steps": steps, "drafted": drafted, "accepted": accepted,
             "draft_s": s.draft_time - before[3], "verify_s": s.verify_time - before[4],
-            "reach": [round(x / max(steps, 1), 3) for x in reach],
+            "reach": [round(x / max(steps, 1), 3) for x in reach], "judged": s.num_reached - before[6],
+            "alpha_by_position": [round((reach[k] if k < len(reach) else 0) / j, 3) for k, j in enumerate(judged) if j],
             "hash": hashlib.sha1(json.dumps(outs).encode()).hexdigest()[:12]}
 
 
@@ -91,12 +97,14 @@ def main() -> None:
             x["tokens_per_step"] = x["tokens"] / max(x["steps"], 1)
             x["drafted_per_step"] = x["drafted"] / max(x["steps"], 1)
             x["acceptance"] = x["accepted"] / x["drafted"] if x["drafted"] else None
+            x["per_token_acceptance"] = x["accepted"] / x["judged"] if x["judged"] else None
             x["d"] = x["draft_s"] / x["drafted"] / step if x["drafted"] else None
             x["verify_steps"] = x["verify_s"] / max(x["steps"], 1) / step
             x["same_as_plain"] = x["hash"] == plain["hash"]
             per[v].append(x)
             print(f"round {r} {v:60s} {x['tok_s']:6.2f} tok/s  x{x['speedup']:.2f}  {x['tokens_per_step']:.2f} tok/step  "
                   f"acc {x['acceptance'] if x['acceptance'] is None else round(x['acceptance'], 2)}  "
+                  f"alpha {x['per_token_acceptance'] if x['per_token_acceptance'] is None else round(x['per_token_acceptance'], 2)}  "
                   f"d {x['d'] if x['d'] is None else round(x['d'], 3)}  verify {x['verify_steps']:.2f}  "
                   f"same={x['same_as_plain']}", flush=True)
 
@@ -105,14 +113,18 @@ def main() -> None:
         return round(statistics.median(vals), 3) if vals else None
 
     rows = [{"draft": v, "tok/s": med(v, "tok_s"), "speed-up": med(v, "speedup"), "tok/step": med(v, "tokens_per_step"),
-             "drafted/step": med(v, "drafted_per_step"), "acceptance": med(v, "acceptance"), "d": med(v, "d"),
+             "drafted/step": med(v, "drafted_per_step"), "acceptance": med(v, "acceptance"),
+             "per-token acceptance": med(v, "per_token_acceptance"), "d": med(v, "d"),
              "verify (steps)": med(v, "verify_steps"), "reach by depth": per[v][-1]["reach"],
+             "per-token acceptance by depth": per[v][-1]["alpha_by_position"],
              "= plain": all(x["same_as_plain"] for x in per[v])} for v in variants]
     cols = list(rows[0])
     print(md_table(rows, cols))
     body = (f"Target qwen-1.5b (GGUF, native kernels), greedy, {args.dataset}, {args.prompts} prompts x {args.tokens} "
             f"tokens per round, {args.rounds} rounds (alternating order, each round its own prompts); medians over "
-            "rounds; d and verify in plain decode steps of the same round; reach by depth from the last round.\n\n"
+            "rounds; d and verify in plain decode steps of the same round; reach by depth and per-token acceptance by depth "
+            "from the last round. Acceptance = accepted / drafted; per-token acceptance = accepted / judged (a drafted "
+            "token is judged when its prefix was kept).\n\n"
             + md_table(rows, cols))
     print(write_results("draft-cost", {"args": vars(args), "rounds": per, "summary": rows}, body, dtype="gguf"))
 

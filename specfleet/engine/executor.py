@@ -180,8 +180,11 @@ class StepExecutor:
             req.grammar.advance(tokens[:num_emitted])
         if is_decode:  # the prefill's first token is not a speculation step (see core/stats.py)
             proposer = tree.origins[0] if len(tree) else None
-            req.stats.record_step(len(tree), num_accepted, num_emitted, proposer)
-            self.stats.record_step(len(tree), num_accepted, num_emitted, proposer)
+            # a rejection was judged where the whole path was kept (no stop cut it) and the tree went on past it
+            frontier = path[num_accepted - 1] if num_accepted else -1
+            reached = num_accepted + (num_accepted == len(path) and frontier in tree.parents)
+            req.stats.record_step(len(tree), num_accepted, num_emitted, proposer, reached)
+            self.stats.record_step(len(tree), num_accepted, num_emitted, proposer, reached)
         else:
             req.stats.num_emitted += num_emitted
             self.stats.num_emitted += num_emitted
