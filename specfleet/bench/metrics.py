@@ -40,6 +40,7 @@ class RequestRecord:
     draft_time_s: float | None = None
     verify_time_s: float | None = None
     accepted_at_depth: list[int] | None = None  # [k] = steps whose accepted path reached depth k+1
+    judged: int | None = None  # draft positions the target judged: accepted ones and first rejections (core/stats.py)
     matches_baseline: bool | None = None  # output ids equal the baseline system's for this prompt
     strategy_overhead_s: float | None = None  # voting, weight updates, fitting, matching (its wave's share)
     cached_tokens: int | None = None  # prompt tokens the system's prefix cache served (None: it cannot tell)
@@ -125,6 +126,9 @@ def _cached_share(requests: list[RequestRecord]) -> float | None:
 
 def spec_summary(requests: list[RequestRecord]) -> dict:
     steps, drafted, accepted = (_sum_known(requests, f) for f in ("steps", "drafted", "accepted"))
+    # over the requests that report what was judged (another system's records may count only accepted / drafted)
+    judged = _sum_known(requests, "judged")
+    accepted_of_judged = _sum_known([r for r in requests if r.judged is not None], "accepted")
     draft_t, verify_t = _sum_known(requests, "draft_time_s"), _sum_known(requests, "verify_time_s")
     overhead = _sum_known(requests, "strategy_overhead_s")
     emitted = sum(r.output_tokens for r in requests if r.steps is not None)
@@ -139,6 +143,7 @@ def spec_summary(requests: list[RequestRecord]) -> dict:
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted and accepted is not None else None,
+        "per_token_acceptance": accepted_of_judged / judged if judged and accepted_of_judged is not None else None,
         "mean_accepted_length": (accepted + steps) / steps if steps and accepted is not None else None,
         "acceptance_by_position": [c / steps for c in depth] if steps else [],
         "draft_time_s": draft_t,

@@ -10,6 +10,7 @@ COLUMNS = [
     ("decode_throughput_tok_s", "decode tok/s"), ("request_tok_s_mean", "req tok/s"),
     ("normalized_latency_ms_p50", "norm. lat. p50 ms/tok"), ("normalized_latency_ms_p90", "p90"),
     ("ttft_ms_mean", "TTFT ms"), ("cached_prompt_share", "prompt cached"), ("acceptance_rate", "accept rate"),
+    ("per_token_acceptance", "per-token accept"),
     ("mean_accepted_length", "mean acc. len"),
     ("draft_time_share", "draft share"), ("goodput_tok_s", "goodput tok/s"),
     ("speedup_throughput", "speed-up"), ("roofline_fraction", "of roofline"), ("baseline_match_rate", "= AR out"),

@@ -371,7 +371,8 @@ def _record(label: str, batch_size: int, prompt_id: str, prompt_tokens: int, g) 
     return metrics.RequestRecord(label, batch_size, prompt_id, prompt_tokens, len(g.output_ids), g.latency_s,
                                  g.ttft_s, s.get("steps"), s.get("drafted"), s.get("accepted"),
                                  s.get("draft_time_s"), s.get("verify_time_s"), s.get("accepted_at_depth"),
-                                 strategy_overhead_s=s.get("strategy_overhead_s"), cached_tokens=s.get("cached_tokens"))
+                                 strategy_overhead_s=s.get("strategy_overhead_s"), cached_tokens=s.get("cached_tokens"),
+                                 judged=s.get("judged"))
 
 
 def evaluate_checks(preset: Preset, parts: list[dict]) -> list[dict]:

@@ -187,5 +187,5 @@ def _generation(out) -> Generation:
     depth = [round(rate * steps) for rate in m.get("acceptance_by_position", [])]
     spec = {"steps": steps, "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
             "draft_time_s": m.get("draft_time_s", 0.0), "verify_time_s": m.get("verify_time_s", 0.0),
-            "accepted_at_depth": depth, "cached_tokens": m.get("num_cached_tokens")}
+            "accepted_at_depth": depth, "cached_tokens": m.get("num_cached_tokens"), "judged": m.get("judged")}
     return Generation(list(out.token_ids), m["latency_s"], m.get("ttft_s"), spec=spec)

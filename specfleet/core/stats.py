@@ -129,6 +129,7 @@ class SpecStats:
             "steps": self.num_steps,
             "drafted": self.num_drafted,
             "accepted": self.num_accepted,
+            "judged": self.num_reached,
             "emitted": self.num_emitted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

@@ -161,6 +161,8 @@ class _EngineCollector(Collector):
                                   value=s.num_accepted)
         yield CounterMetricFamily("specfleet_spec_emitted_tokens", "Tokens emitted by the engine", value=s.num_emitted)
         yield gauge("specfleet_spec_acceptance_rate", "accepted / drafted", s.acceptance_rate)
+        yield gauge("specfleet_spec_per_token_acceptance", "accepted / judged: the chance the target keeps a drafted "
+                    "token whose prefix it kept (tokens after a rejection are not judged)", s.per_token_acceptance)
         yield gauge("specfleet_spec_mean_accepted_length", "(accepted + steps) / steps: tokens per target pass",
                     s.mean_accepted_length)
         per_step = s.num_drafted / s.num_steps if s.num_steps else 0.0

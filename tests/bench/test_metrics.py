@@ -59,6 +59,15 @@ def test_summarize_two_waves():
     assert s["acceptance_by_position"] == [5 / 14, 2 / 14, 1 / 14]
     assert s["draft_time_share"] == 1.5 / 6.0 and s["goodput_tok_s"] == 24 / 6.0
     assert s["baseline_match_rate"] == 1.0
+    assert s["per_token_acceptance"] is None  # these records do not say what was judged
+
+
+def test_per_token_acceptance_over_the_records_that_report_it():
+    reqs = [rec(pid="a", steps=4, drafted=12, accepted=6, judged=9),
+            rec(pid="b", steps=3, drafted=9, accepted=2, judged=5),
+            rec(pid="c", steps=2, drafted=6, accepted=6)]  # a peer's record: accepted, but not what was judged
+    s = metrics.spec_summary(reqs)
+    assert s["acceptance_rate"] == 14 / 27 and s["per_token_acceptance"] == 8 / 14
 
 
 def test_summarize_without_spec_counters():

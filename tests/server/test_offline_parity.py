@@ -136,6 +136,8 @@ def test_models_health_and_metrics(server, client):
     m = server.wait_idle()
     assert m["specfleet_spec_draft_tokens_total"] > 0 and m["specfleet_spec_steps_total"] > 0
     assert 0 <= m["specfleet_spec_acceptance_rate"] <= 1 and m["specfleet_spec_mean_accepted_length"] >= 1
+    # a token judged is at most a token drafted: per-token acceptance is never below accepted / drafted
+    assert m["specfleet_spec_acceptance_rate"] <= m["specfleet_spec_per_token_acceptance"] <= 1
     assert m["specfleet_spec_length"] == 3
     assert m["specfleet_spec_draft_steps_total{draft=prompt-lookup}"] > 0
     assert m["specfleet_generation_tokens_total"] > 0 and m["specfleet_kv_cache_usage_ratio"] == 0
