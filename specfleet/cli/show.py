@@ -25,7 +25,7 @@ def print_stats(m: dict, file=sys.stderr) -> None:
     if not m:
         return
     parts = [f"drafted {m.get('drafted', 0)}", f"accepted {m.get('accepted', 0)}",
-             f"acceptance {m.get('acceptance_rate', 0):.1%}",
+             f"acceptance {m.get('acceptance_rate', 0):.1%} ({m.get('per_token_acceptance', 0):.1%} of the tokens judged)",
              f"mean accepted length {m.get('mean_accepted_length', 0):.2f}",
              f"draft {m.get('draft_time_s', 0):.2f}s / verify {m.get('verify_time_s', 0):.2f}s",
              f"goodput {m.get('goodput_tok_s', 0):.1f} tok/s"]

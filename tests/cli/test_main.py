@@ -60,7 +60,7 @@ def test_generate_streams_text_and_prints_stats(capsys, tmp_path):
                          "--quantization", "none", "--kv-cache-mb", "32", "--max-tokens", "12",
                          "--prompt", "What is the capital of France?")
     assert code == 0 and "Paris" in out
-    assert "[spec]" in err and "mean accepted length" in err
+    assert "[spec]" in err and "mean accepted length" in err and "of the tokens judged)" in err
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name a fruit.\nName a colour.\n")
     code, out, _ = run(capsys, "generate", "--model", str(path), "--draft", "none", "--dtype", "float32",
