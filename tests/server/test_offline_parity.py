@@ -123,11 +123,18 @@ def test_stop_string_is_cut_in_both_modes(client, want):
     assert ref.finish_reason == "stop" and "," not in ref.text
 
 
-def test_token_id_prompt_and_seeded_sampling_match_offline(client, offline, want):
+def test_token_id_prompt_and_seeded_sampling_match_offline(server, client, offline, want):
     got = client.completions.create(model=MODEL, prompt=offline.encode(PROMPT), max_tokens=8, temperature=0)
     assert got.choices[0].text == want["completion"].text
     got = client.completions.create(model=MODEL, prompt=PROMPT, **SAMPLED)
-    assert got.choices[0].text == want["sampled"].text
+    if got.choices[0].text != want["sampled"].text:  # seen once in CI (session 44), never here: say what differed
+        srv = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=5)
+        with ThreadPoolExecutor(1) as pool:
+            off = pool.submit(offline.generate, PROMPT, greedy(1, logprobs=5)).result()[0]
+        again = client.completions.create(model=MODEL, prompt=PROMPT, **SAMPLED).choices[0].text
+        pytest.fail(f"seeded sample: server {got.choices[0].text!r}, offline {want['sampled'].text!r}, the server "
+                    f"again {again!r}; first-token top logprobs, server {srv.choices[0].logprobs.top_logprobs[0]}, "
+                    f"offline {off.logprobs[0]}; server log:\n{server.log_tail(40)}")
 
 
 def test_models_health_and_metrics(server, client):
