@@ -38,7 +38,7 @@ def run_variant(llm, prompts: list[list[int]], tokens: int) -> dict:
 
     s = llm.engine.stats
     before = (s.num_steps, s.num_drafted, s.num_accepted, s.draft_time, s.verify_time, list(s.accepted_at_depth),
-              s.num_reached, list(s.reached_at_depth))
+              s.num_judged, list(s.judged_at_depth))
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs, wall = [], 0.0
     for p in prompts:
@@ -48,12 +48,12 @@ def run_variant(llm, prompts: list[list[int]], tokens: int) -> dict:
     steps, drafted, accepted = s.num_steps - before[0], s.num_drafted - before[1], s.num_accepted - before[2]
     depth_before = before[5] + [0] * (len(s.accepted_at_depth) - len(before[5]))
     reach = [a - b for a, b in zip(s.accepted_at_depth, depth_before)]
-    judged_before = before[7] + [0] * (len(s.reached_at_depth) - len(before[7]))
-    judged = [a - b for a, b in zip(s.reached_at_depth, judged_before)]
+    judged_before = before[7] + [0] * (len(s.judged_at_depth) - len(before[7]))
+    judged = [a - b for a, b in zip(s.judged_at_depth, judged_before)]
     n = sum(map(len, outs))
     return {"tok_s": n / wall, "tokens": n, "steps": steps, "drafted": drafted, "accepted": accepted,
             "draft_s": s.draft_time - before[3], "verify_s": s.verify_time - before[4],
-            "reach": [round(x / max(steps, 1), 3) for x in reach], "judged": s.num_reached - before[6],
+            "reach": [round(x / max(steps, 1), 3) for x in reach], "judged": s.num_judged - before[6],
             "alpha_by_position": [round((reach[k] if k < len(reach) else 0) / j, 3) for k, j in enumerate(judged) if j],
             "hash": hashlib.sha1(json.dumps(outs).encode()).hexdigest()[:12]}
 

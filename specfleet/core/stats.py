@@ -9,16 +9,23 @@ Conventions (the same in the API, the CLI, the server and the benchmarks):
 - mean accepted length = (accepted + steps) / steps = tokens emitted per target pass, counting the
   bonus (or correction) token the target always contributes; plain decoding scores exactly 1;
 - acceptance by position k = fraction of steps whose accepted path reached depth k (k = 1, 2, ...);
-- a position is *reached* in a step when the target judged a draft token there: every accepted depth, and the
+- a depth is *judged* in a step when the target decided a draft token there: every accepted depth, and the
   depth after them where the tree had a child of the last accepted node (the first rejection). Per-token
-  acceptance = accepted / reached, the chance the target keeps a drafted token whose prefix it kept (the
+  acceptance = accepted / judged, the chance the target keeps a drafted token whose prefix it kept (the
   alpha of the speculative-sampling papers; for a chain it does not fall with the chain's length as
-  accepted / drafted does), and per position k = steps accepting depth k / steps reaching it;
+  accepted / drafted does), and per position k = steps accepting depth k / steps judging it;
 - goodput = emitted tokens / wall time spent drafting and verifying.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def _add_counts(into: list[int], counts: list[int]) -> None:
+    """Per-depth counts added in place, `into` grown to the longer length."""
+    into.extend([0] * (len(counts) - len(into)))
+    for k, c in enumerate(counts):
+        into[k] += c
 
 
 @dataclass
@@ -28,8 +35,8 @@ class SpecStats:
     num_accepted: int = 0
     num_emitted: int = 0
     accepted_at_depth: list[int] = field(default_factory=list)  # [k] = steps reaching depth k+1
-    num_reached: int = 0  # draft positions the target judged (accepted ones and first rejections)
-    reached_at_depth: list[int] = field(default_factory=list)  # [k] = steps that judged a token at depth k+1
+    num_judged: int = 0  # draft positions the target judged (accepted ones and first rejections)
+    judged_at_depth: list[int] = field(default_factory=list)  # [k] = steps that judged a token at depth k+1
     draft_time: float = 0.0
     verify_time: float = 0.0
     drafts_used: dict[str, int] = field(default_factory=dict)  # proposer name -> steps it drafted
@@ -46,25 +53,19 @@ class SpecStats:
     warmup_steps: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, proposer: str | None,
-                    num_reached: int | None = None) -> None:
-        """`num_reached`: the depths judged (num_accepted, plus one where a draft token after them was
+                    num_judged: int | None = None) -> None:
+        """`num_judged`: the depths judged (num_accepted, plus one where a draft token after them was
         rejected; default num_accepted, as for a chain accepted whole or cut by a stop)."""
-        reached = num_accepted if num_reached is None else num_reached
-        if not num_accepted <= reached <= num_accepted + 1:
-            raise ValueError(f"reached depths {reached} with {num_accepted} accepted: it is the accepted ones or one more")
-        self.num_reached += reached
-        while len(self.reached_at_depth) < reached:
-            self.reached_at_depth.append(0)
-        for k in range(reached):
-            self.reached_at_depth[k] += 1
+        judged = num_accepted if num_judged is None else num_judged
+        if not num_accepted <= judged <= num_accepted + 1:
+            raise ValueError(f"judged depths {judged} with {num_accepted} accepted: it is the accepted ones or one more")
+        self.num_judged += judged
+        _add_counts(self.judged_at_depth, [1] * judged)
         self.num_steps += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.num_emitted += num_emitted
-        while len(self.accepted_at_depth) < num_accepted:
-            self.accepted_at_depth.append(0)
-        for k in range(num_accepted):
-            self.accepted_at_depth[k] += 1
+        _add_counts(self.accepted_at_depth, [1] * num_accepted)
         if proposer is not None and num_drafted:
             self.drafts_used[proposer] = self.drafts_used.get(proposer, 0) + 1
             self.drafted_by[proposer] = self.drafted_by.get(proposer, 0) + num_drafted
@@ -75,15 +76,9 @@ class SpecStats:
         self.num_drafted += other.num_drafted
         self.num_accepted += other.num_accepted
         self.num_emitted += other.num_emitted
-        while len(self.accepted_at_depth) < len(other.accepted_at_depth):
-            self.accepted_at_depth.append(0)
-        for k, c in enumerate(other.accepted_at_depth):
-            self.accepted_at_depth[k] += c
-        self.num_reached += other.num_reached
-        while len(self.reached_at_depth) < len(other.reached_at_depth):
-            self.reached_at_depth.append(0)
-        for k, c in enumerate(other.reached_at_depth):
-            self.reached_at_depth[k] += c
+        _add_counts(self.accepted_at_depth, other.accepted_at_depth)
+        self.num_judged += other.num_judged
+        _add_counts(self.judged_at_depth, other.judged_at_depth)
         self.draft_time += other.draft_time
         self.verify_time += other.verify_time
         self.num_draft_failures += other.num_draft_failures
@@ -104,12 +99,12 @@ class SpecStats:
 
     @property
     def per_token_acceptance(self) -> float:
-        return self.num_accepted / self.num_reached if self.num_reached else 0.0
+        return self.num_accepted / self.num_judged if self.num_judged else 0.0
 
     @property
     def per_token_acceptance_by_position(self) -> list[float]:
         return [(self.accepted_at_depth[k] if k < len(self.accepted_at_depth) else 0) / n
-                for k, n in enumerate(self.reached_at_depth)]
+                for k, n in enumerate(self.judged_at_depth)]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -129,7 +124,7 @@ class SpecStats:
             "steps": self.num_steps,
             "drafted": self.num_drafted,
             "accepted": self.num_accepted,
-            "judged": self.num_reached,
+            "judged": self.num_judged,
             "emitted": self.num_emitted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

@@ -182,9 +182,9 @@ class StepExecutor:
             proposer = tree.origins[0] if len(tree) else None
             # a rejection was judged where the whole path was kept (no stop cut it) and the tree went on past it
             frontier = path[num_accepted - 1] if num_accepted else -1
-            reached = num_accepted + (num_accepted == len(path) and frontier in tree.parents)
-            req.stats.record_step(len(tree), num_accepted, num_emitted, proposer, reached)
-            self.stats.record_step(len(tree), num_accepted, num_emitted, proposer, reached)
+            judged = num_accepted + (num_accepted == len(path) and frontier in tree.parents)
+            req.stats.record_step(len(tree), num_accepted, num_emitted, proposer, judged)
+            self.stats.record_step(len(tree), num_accepted, num_emitted, proposer, judged)
         else:
             req.stats.num_emitted += num_emitted
             self.stats.num_emitted += num_emitted

@@ -38,16 +38,16 @@ def test_plain_decoding_scores_one():
 
 def test_per_token_acceptance_counts_the_first_rejection_not_the_tokens_after_it():
     s = SpecStats()
-    s.record_step(num_drafted=4, num_accepted=4, num_emitted=5, proposer="a", num_reached=4)  # whole chain kept
-    s.record_step(num_drafted=4, num_accepted=1, num_emitted=2, proposer="a", num_reached=2)  # 2nd rejected
-    s.record_step(num_drafted=4, num_accepted=0, num_emitted=1, proposer="a", num_reached=1)  # 1st rejected
+    s.record_step(num_drafted=4, num_accepted=4, num_emitted=5, proposer="a", num_judged=4)  # whole chain kept
+    s.record_step(num_drafted=4, num_accepted=1, num_emitted=2, proposer="a", num_judged=2)  # 2nd rejected
+    s.record_step(num_drafted=4, num_accepted=0, num_emitted=1, proposer="a", num_judged=1)  # 1st rejected
     assert s.acceptance_rate == pytest.approx(5 / 12)  # per drafted token: the tokens after a rejection count
     assert s.per_token_acceptance == pytest.approx(5 / 7)
     assert s.per_token_acceptance_by_position == pytest.approx([2 / 3, 1 / 2, 1, 1])
     other = SpecStats()
     other.record_step(2, 1, 2, "a", 2)
     s.merge(other)
-    assert s.num_reached == 9 and s.reached_at_depth == [4, 3, 1, 1]
+    assert s.num_judged == 9 and s.judged_at_depth == [4, 3, 1, 1]
     assert s.as_dict()["per_token_acceptance"] == pytest.approx(6 / 9, abs=1e-4)
-    with pytest.raises(ValueError, match="reached depths"):
+    with pytest.raises(ValueError, match="judged depths"):
         s.record_step(4, 1, 2, "a", 3)

@@ -50,10 +50,10 @@ def test_per_token_acceptance_from_an_oracle_draft(target, right, wrong, tree):
     s = eng.stats
     drafted_steps = s.drafts_used["oracle"]
     assert drafted_steps >= 3
-    reached = right + (wrong > 0)  # a whole chain accepted judges no rejection
+    judged = right + (wrong > 0)  # a whole chain accepted judges no rejection
     assert s.num_accepted == right * drafted_steps
-    assert s.num_reached == reached * drafted_steps
-    assert s.per_token_acceptance == pytest.approx(right / reached)
+    assert s.num_judged == judged * drafted_steps
+    assert s.per_token_acceptance == pytest.approx(right / judged)
     assert s.per_token_acceptance_by_position == pytest.approx([1.0] * right + [0.0] * (wrong > 0))
     assert s.acceptance_rate == pytest.approx(right / (right + wrong + tree))
 
