@@ -26,6 +26,18 @@ if TYPE_CHECKING:
 API_KEY_ENV = "SPECFLEET_API_KEY"
 
 
+def _cpu_kernels(llm: LLM) -> str:
+    """The start-up line's note of the CPU kernel path a model served on the CPU runs (or why there is none), empty
+    on a GPU: which kernels made the logits matters when two processes' outputs are compared."""
+    if llm.engine.device.type != "cpu":
+        return ""
+    from specfleet.runtime.backends.native import kernels
+
+    if kernels.available():
+        return f"; CPU kernels: {kernels.isa()}"
+    return f"; CPU kernels unavailable: {kernels.unavailable_reason()}"
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from specfleet.cli.common import add_engine_args
 
@@ -151,7 +163,7 @@ def run_serve(args: argparse.Namespace, prepare: Callable[[LLM], None] | None = 
     host, port = sock.getsockname()[:2]
     print(f"specfleet: serving {config.model_name} on http://{host}:{port} "
           f"(context {llm.engine.max_model_len} tokens, {llm.engine.blocks.num_blocks} KV blocks"
-          f"{'; API key required' if config.api_key else ''})", flush=True)
+          f"{_cpu_kernels(llm)}{'; API key required' if config.api_key else ''})", flush=True)
     # uvicorn's own timeout only backs ours up: it cancels what the drain could not end in time
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout + UVICORN_BACKSTOP_S,

@@ -38,6 +38,11 @@ class ServerProcess:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def startup_line(self) -> str:
+        """The server's "specfleet: serving ..." line (what it loaded: context, KV blocks, CPU kernels); "" before it."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return next((line for line in lines if line.startswith("specfleet: serving ")), "")
+
     def metrics(self) -> dict[str, float]:
         """Prometheus samples as {"name" or "name{k=v,...}": value}."""
         text = httpx.get(self.url("/metrics"), timeout=10).text

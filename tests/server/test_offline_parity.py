@@ -11,6 +11,7 @@ import pytest
 
 from specfleet.llm import LLM
 from specfleet.outputs import RequestOutput
+from specfleet.runtime.backends.native import kernels
 from specfleet.sampling_params import SamplingParams
 from tests.server.harness import MODEL, ServerProcess, launch_server, stop_server, wait_ready
 
@@ -134,7 +135,15 @@ def test_token_id_prompt_and_seeded_sampling_match_offline(server, client, offli
         again = client.completions.create(model=MODEL, prompt=PROMPT, **SAMPLED).choices[0].text
         pytest.fail(f"seeded sample: server {got.choices[0].text!r}, offline {want['sampled'].text!r}, the server "
                     f"again {again!r}; first-token top logprobs, server {srv.choices[0].logprobs.top_logprobs[0]}, "
-                    f"offline {off.logprobs[0]}; server log:\n{server.log_tail(40)}")
+                    f"offline {off.logprobs[0]}; kernels here {kernels.isa() if kernels.available() else None}, "
+                    f"server start-up: {server.startup_line()!r}; server log:\n{server.log_tail(40)}")
+
+
+def test_the_server_runs_the_kernels_this_process_runs(server):
+    """The parity tests compare two processes' logits: both must run the same CPU kernel path, not one of them a
+    fallback (the start-up line names the path, or why there is none)."""
+    here = f"CPU kernels: {kernels.isa()}" if kernels.available() else "CPU kernels unavailable"
+    assert here in server.startup_line(), (here, server.startup_line())
 
 
 def test_models_health_and_metrics(server, client):
