@@ -111,6 +111,57 @@ def test_amx_tiles_give_the_vnni_bits_over_a_prompts_rows():
             assert torch.equal(run_qlinear(amx, x[:m], w), want[:m]), f"rows={m} n={n} k={k}"
 
 
+def _q_linear_into(lib, x: torch.Tensor, w, act: torch.Tensor) -> torch.Tensor:
+    """run_qlinear with the caller's activation buffer, as the model's products reuse theirs"""
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.specfleet_q_linear(int(w.qtype), w.data.data_ptr(), w.data.shape[1], n, k, x.data_ptr(), x.shape[0],
+                                y.data_ptr(), act.data_ptr(), torch.get_num_threads())
+    assert rc == 0
+    return y
+
+
+def test_amx_tiles_never_reuse_a_layout_for_other_rows():
+    """A thread keeps each 64-row chunk's tile layout while the rows' epoch stands (csrc/arch/x86/amx_k.h): new rows in
+    the same buffer (one row changed, or all), the fused products' buffers that malloc hands out again, and calls from
+    two threads at once must each get their own rows' VNNI bits, never a layout kept from other rows."""
+    amx, vnni = _lib_or_skip("amx"), _lib_or_skip("avx512vnni")
+    assert amx.specfleet_amx_tiles() == 1, "the OS refused the tile state: these bits would be the VNNI kernels'"
+    torch.manual_seed(7)
+    k = 1536
+    w = random_blocks(T.Q4_K, 200, k, seed=11)  # four chunks of 64 weight rows: three calls reuse a chunk's layout
+    act = torch.empty(130 * amx.specfleet_q_act_row_bytes(int(T.Q4_K), k), dtype=torch.uint8)
+    x1 = torch.randn(130, k)
+    x2 = x1.clone()
+    x2[70] *= -1.0  # one row of the second chunk differs
+    x3 = torch.randn(130, k)
+    for x in (x1, x2, x3, x1):
+        assert torch.equal(_q_linear_into(amx, x, w, act), run_qlinear(vnni, x, w))
+    parts = [(w, None)]
+    arr = fused_parts(parts)
+    for x in (x1, x2, x3):
+        got = run_fused(amx, arr, 1, k, x, torch.empty(130, 200))
+        assert torch.equal(got, run_qlinear(vnni, x, w))
+    import threading
+    inputs = [torch.randn(96, k) for _ in range(4)]
+    wants = [run_qlinear(vnni, x, w) for x in inputs]
+    bad = []
+
+    def worker(i):
+        buf = torch.empty_like(act)
+        for rep in range(12):
+            j = (i + rep) % len(inputs)
+            if not torch.equal(_q_linear_into(amx, inputs[j], w, buf), wants[j]):
+                bad.append((i, rep))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, f"calls that got another call's layout: {bad}"
+
+
 @pytest.mark.parametrize("path", FAST_PATHS)
 def test_fused_products_give_the_avx2_bits(path):
     """q/k/v-style parts of mixed formats behind RMSNorm, and a SiLU * up product added to its output."""

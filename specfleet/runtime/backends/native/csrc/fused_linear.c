@@ -55,6 +55,8 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
+    for (int k = 0; k < SF_ACT_KINDS; k++)
+        if (act[k]) sf_act_forget(act[k]);
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (M >= SF_QUANT_PAR_ROWS && nt > 1)
     {
@@ -83,6 +85,8 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
+    for (int k = 0; k < SF_ACT_KINDS; k++)
+        if (act[k]) sf_act_ready(act[k]);
     const int64_t nchunks = start[nparts];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
@@ -98,6 +102,10 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
                     (int)accumulate);
         }
     }
-    for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
+    for (int k = 0; k < SF_ACT_KINDS; k++)
+        if (act[k]) {
+            sf_act_forget(act[k]);
+            free(act[k]);
+        }
     return 0;
 }

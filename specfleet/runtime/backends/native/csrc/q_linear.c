@@ -28,8 +28,10 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = K / qk;
     uint8_t *a = (uint8_t *)act;
+    sf_act_forget(a);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= SF_QUANT_PAR_ROWS && num_threads > 1)
     for (int64_t m = 0; m < M; m++) sf_quantize_act(sf_act_kind(type), x + m * K, K, a + m * arb);
+    sf_act_ready(a);
     const int64_t nchunks = (N + SF_RCH - 1) / SF_RCH;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
@@ -62,6 +64,44 @@ _Thread_local int64_t sf_grouped_ahead = 4096;
 void specfleet_set_grouping(int64_t min_rows, int64_t act_bytes) {
     sf_group_min_rows = min_rows < 2 ? 2 : min_rows;
     if (act_bytes >= 0) sf_group_act_bytes = act_bytes;
+}
+
+/* The activation epochs (q_common.h): a few buffers' latest epochs under one lock (OpenMP's named critical section
+ * is one lock for every thread of the process, whatever team or caller it belongs to). A call looks its buffer up
+ * once per product chunk, against tens of thousands of cycles of products. More live buffers than slots push the
+ * oldest out, which then reads as unknown: the bodies keep nothing for it. */
+#define SF_EPOCH_SLOTS 32
+static struct {
+    const void *a;
+    int64_t epoch;
+} sf_epochs[SF_EPOCH_SLOTS];
+static int64_t sf_epoch_next = 1;
+static int sf_epoch_victim = 0;
+
+void sf_act_forget(const void *a) {
+#pragma omp critical(sf_act_epochs)
+    for (int i = 0; i < SF_EPOCH_SLOTS; i++)
+        if (sf_epochs[i].a == a) sf_epochs[i].a = 0, sf_epochs[i].epoch = 0;
+}
+
+void sf_act_ready(const void *a) {
+#pragma omp critical(sf_act_epochs)
+    {
+        int slot = -1;
+        for (int i = 0; i < SF_EPOCH_SLOTS && slot < 0; i++)
+            if (!sf_epochs[i].a) slot = i;
+        if (slot < 0) slot = sf_epoch_victim, sf_epoch_victim = (sf_epoch_victim + 1) % SF_EPOCH_SLOTS;
+        sf_epochs[slot].a = a;
+        sf_epochs[slot].epoch = sf_epoch_next++;
+    }
+}
+
+int64_t sf_act_epoch(const void *a) {
+    int64_t e = 0;
+#pragma omp critical(sf_act_epochs)
+    for (int i = 0; i < SF_EPOCH_SLOTS; i++)
+        if (sf_epochs[i].a == a) e = sf_epochs[i].epoch;
+    return e;
 }
 
 int specfleet_q_abi(void) { return 10; } /* runtime/backends/native/kernels.py ABI */

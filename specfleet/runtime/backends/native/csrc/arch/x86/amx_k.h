@@ -9,7 +9,8 @@
  * q4k_block_acc's instructions on each (weight row, sub-block) with the 16 activation rows in the lanes, and the
  * last sum over the 8 sub-blocks follows hsum8's tree. For A, a block's quants are unpacked as the VNNI kernels
  * unpack them (the interleaved order, q_common.h) and their dwords transposed to sub-block order; for B, each
- * call lays its activation rows out once (16 rows' dwords side by side).
+ * thread lays a call's activation rows out once (16 rows' dwords side by side) and keeps that for the call's
+ * other weight rows (amx_layout).
  *
  * Why not for verification rows: a first version put the activation rows in B block-diagonally (two rows per
  * tile, 8 sub-blocks in the columns) and ran 1.6-1.9x slower than the VNNI kernels at 2-12 rows. A tile load of
@@ -59,12 +60,20 @@ static void amx_configure(void) {
 
 /* A call's activation rows laid out for B, per thread: tile (pass q, block b, sub-block u) is 8 rows (4 quants
  * each of the sub-block) x 16 activation rows; per (q, b) the rows' fsum by sub-block and their d, 16 lanes each
- * (zeros for rows past the call's last) */
+ * (zeros for rows past the call's last). The drivers hand a thread weight rows 64 at a time (SF_RCH), and laying
+ * out 64 activation rows again for each took as long as a fifth of the products (the 1.5B's ffn_gate, 64 rows, one
+ * thread: 192 against 162 TSC cycles a weight-row block). So a thread keeps each 64-row chunk's layout in a slot
+ * ((m0 / 64) % AMX_SLOTS: a step's 512 prompt rows fill eight) for as long as the rows' epoch (q_common.h) says
+ * they are the rows it was made from. */
+#define AMX_SLOTS 8
 typedef struct {
     size_t cap;
     int8_t *mem;
+    const uint8_t *a; /* the key: rows [m0, m0 + R) of `a` (arb bytes each, nb blocks) under `epoch`; a 0 never matches */
+    int64_t epoch, arb, nb, m0;
+    int R;
 } amx_buf;
-static _Thread_local amx_buf amx_scratch;
+static _Thread_local amx_buf amx_slots[AMX_SLOTS];
 
 ALWAYS_INLINE int8_t *amx_b_tile(int8_t *base, int64_t nb, int q, int64_t b, int u) {
     return base + (((size_t)q * nb + b) * 8 + u) * 512;
@@ -150,11 +159,15 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
         }
 }
 
-/* the B tiles and epilogue vectors of activation rows [m0, m0 + R) (R <= AMX_PASSES * 16); 0 without memory */
-static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int R, int8_t **bt, float **bf) {
+/* the B tiles and epilogue vectors of activation rows [m0, m0 + R) (R <= AMX_PASSES * 16) of `a` under `epoch`:
+ * a thread's kept layout where it has one for exactly these rows, else made in its slot; 0 without memory */
+static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int R, int64_t epoch, int8_t **bt,
+                      float **bf) {
     const int Q = (R + AMX_ROWS - 1) / AMX_ROWS;
     const size_t tiles = (size_t)Q * nb * 8 * 512, need = tiles + (size_t)Q * nb * 144 * sizeof(float);
-    amx_buf *s = &amx_scratch;
+    amx_buf *s = &amx_slots[(m0 / (AMX_PASSES * AMX_ROWS)) % AMX_SLOTS];
+    const int kept = epoch && s->a == a && s->epoch == epoch && s->arb == arb && s->nb == nb && s->m0 == m0 && s->R == R;
+    s->a = 0; /* unkeyed until laid out */
     if (need > s->cap) {
         free(s->mem);
         s->mem = (int8_t *)aligned_alloc(64, (need + 63) / 64 * 64);
@@ -163,6 +176,10 @@ static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int
     }
     *bt = s->mem;
     *bf = (float *)(s->mem + tiles);
+    if (kept) {
+        s->a = a;
+        return 1;
+    }
     for (int q = 0; q < Q; q++) {
         const int rows = R - 16 * q < 16 ? R - 16 * q : 16;
         const __mmask16 valid = (__mmask16)((1u << rows) - 1);
@@ -186,6 +203,10 @@ static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int
             _mm512_store_ps(fs + 128, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, xf + d_at, 4));
         }
     }
+    if (epoch) {
+        s->a = a;
+        s->epoch = epoch, s->arb = arb, s->nb = nb, s->m0 = m0, s->R = R;
+    }
     return 1;
 }
 
@@ -197,11 +218,12 @@ static void cols_q4_k(const uint8_t *W, int64_t row_bytes, int64_t nb, const uin
         return;
     }
     amx_configure();
+    const int64_t epoch = sf_act_epoch(a);
     for (int64_t m0 = c0; m0 < c1; m0 += AMX_PASSES * AMX_ROWS) {
         const int R = (int)(c1 - m0 < AMX_PASSES * AMX_ROWS ? c1 - m0 : AMX_PASSES * AMX_ROWS);
         int8_t *bt;
         float *bf;
-        if (R < AMX_MIN_ROWS || !amx_layout(a, arb, nb, m0, R, &bt, &bf)) { /* a short rest, or no memory */
+        if (R < AMX_MIN_ROWS || !amx_layout(a, arb, nb, m0, R, epoch, &bt, &bf)) { /* a short rest, or no memory */
             cols_q4_k_vnni(W, row_bytes, nb, a, arb, m0, m0 + R, n0, n_end, y, ldy, bias, accumulate);
             continue;
         }
