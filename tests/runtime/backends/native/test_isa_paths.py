@@ -122,7 +122,7 @@ def _q_linear_into(lib, x: torch.Tensor, w, act: torch.Tensor) -> torch.Tensor:
 
 
 def test_amx_tiles_never_reuse_a_layout_for_other_rows():
-    """A thread keeps each 64-row chunk's tile layout while the rows' epoch stands (csrc/arch/x86/amx_k.h): new rows in
+    """A thread keeps each 64-row chunk's tile layout for the rest of its call (csrc/arch/x86/amx_k.h): new rows in
     the same buffer (one row changed, or all), the fused products' buffers that malloc hands out again, and calls from
     two threads at once must each get their own rows' VNNI bits, never a layout kept from other rows."""
     amx, vnni = _lib_or_skip("amx"), _lib_or_skip("avx512vnni")

@@ -55,8 +55,6 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
-    for (int k = 0; k < SF_ACT_KINDS; k++)
-        if (act[k]) sf_act_forget(act[k]);
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (M >= SF_QUANT_PAR_ROWS && nt > 1)
     {
@@ -85,9 +83,7 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
         return -2;
     }
-    for (int k = 0; k < SF_ACT_KINDS; k++)
-        if (act[k]) sf_act_ready(act[k]);
-    const int64_t nchunks = start[nparts];
+    const int64_t epoch = sf_new_epoch(), nchunks = start[nparts];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         int64_t p = 0;
@@ -98,14 +94,12 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
+            sf_call_epoch = epoch;
             cols[p](pt->W, pt->row_bytes, nb, act[kind], arb[kind], c0, c1, n0, n1, y + col0[p], ldy, pt->bias,
                     (int)accumulate);
+            sf_call_epoch = 0;
         }
     }
-    for (int k = 0; k < SF_ACT_KINDS; k++)
-        if (act[k]) {
-            sf_act_forget(act[k]);
-            free(act[k]);
-        }
+    for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
     return 0;
 }

@@ -60,14 +60,13 @@ extern _Thread_local int64_t sf_grouped_ahead;
 ALWAYS_INLINE int64_t sf_grouped_distance(int64_t arb) {
     return sf_group_act_bytes > 0 && 2 * arb > sf_group_act_bytes ? sf_prefetch_bytes[2] : sf_prefetch_bytes[1];
 }
-/* Epochs of a call's activation rows (q_linear.c): a driver forgets the buffer `a` before it writes the rows there
- * (sf_act_forget) and gives them a fresh epoch once they are written (sf_act_ready), before its products start; a
- * body may keep what it derives from those rows per thread (the amx path's tile layout) while sf_act_epoch(a) still
- * gives the epoch it was derived under. Epochs are never reused and 0 means unknown (keep nothing), so a kept layout
- * is only ever used for the very rows it came from, whichever threads or concurrent calls run. */
-void sf_act_forget(const void *a);
-void sf_act_ready(const void *a);
-int64_t sf_act_epoch(const void *a);
+/* A product call's epoch (q_linear.c): a driver takes a fresh one (sf_new_epoch: never reused, never 0) once its
+ * activation rows are written, and each thread that runs its bodies has it in sf_call_epoch while it does (0 outside
+ * them). A body may keep per thread what it derives from the call's rows (the amx path's tile layout) for the call's
+ * other weight rows while sf_call_epoch is the epoch it was derived under, so what it keeps never serves the rows of
+ * another call, whichever threads or concurrent calls run. */
+extern _Thread_local int64_t sf_call_epoch;
+int64_t sf_new_epoch(void);
 #define TILE 8            /* activation rows multiplied by each unpacked weight row at once */
 /* the same for DEFINE_COLUMNS_QUAD (four weight rows unpacked at once): 16 rows share each unpack, which made the
  * 1.5B's Q4_K products over 854 prompt rows 6-13 % faster and a 9-row verification product 10 % faster than 8

@@ -28,17 +28,17 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = K / qk;
     uint8_t *a = (uint8_t *)act;
-    sf_act_forget(a);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= SF_QUANT_PAR_ROWS && num_threads > 1)
     for (int64_t m = 0; m < M; m++) sf_quantize_act(sf_act_kind(type), x + m * K, K, a + m * arb);
-    sf_act_ready(a);
-    const int64_t nchunks = (N + SF_RCH - 1) / SF_RCH;
+    const int64_t epoch = sf_new_epoch(), nchunks = (N + SF_RCH - 1) / SF_RCH;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         const int64_t n0 = ch * SF_RCH, n1 = n0 + SF_RCH < N ? n0 + SF_RCH : N;
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
+            sf_call_epoch = epoch;
             cols(W, row_bytes, nb, a, arb, c0, c1, n0, n1, y, N, 0, 0);
+            sf_call_epoch = 0;
         }
     }
     return 0;
@@ -66,43 +66,10 @@ void specfleet_set_grouping(int64_t min_rows, int64_t act_bytes) {
     if (act_bytes >= 0) sf_group_act_bytes = act_bytes;
 }
 
-/* The activation epochs (q_common.h): a few buffers' latest epochs under one lock (OpenMP's named critical section
- * is one lock for every thread of the process, whatever team or caller it belongs to). A call looks its buffer up
- * once per product chunk, against tens of thousands of cycles of products. More live buffers than slots push the
- * oldest out, which then reads as unknown: the bodies keep nothing for it. */
-#define SF_EPOCH_SLOTS 32
-static struct {
-    const void *a;
-    int64_t epoch;
-} sf_epochs[SF_EPOCH_SLOTS];
-static int64_t sf_epoch_next = 1;
-static int sf_epoch_victim = 0;
-
-void sf_act_forget(const void *a) {
-#pragma omp critical(sf_act_epochs)
-    for (int i = 0; i < SF_EPOCH_SLOTS; i++)
-        if (sf_epochs[i].a == a) sf_epochs[i].a = 0, sf_epochs[i].epoch = 0;
-}
-
-void sf_act_ready(const void *a) {
-#pragma omp critical(sf_act_epochs)
-    {
-        int slot = -1;
-        for (int i = 0; i < SF_EPOCH_SLOTS && slot < 0; i++)
-            if (!sf_epochs[i].a) slot = i;
-        if (slot < 0) slot = sf_epoch_victim, sf_epoch_victim = (sf_epoch_victim + 1) % SF_EPOCH_SLOTS;
-        sf_epochs[slot].a = a;
-        sf_epochs[slot].epoch = sf_epoch_next++;
-    }
-}
-
-int64_t sf_act_epoch(const void *a) {
-    int64_t e = 0;
-#pragma omp critical(sf_act_epochs)
-    for (int i = 0; i < SF_EPOCH_SLOTS; i++)
-        if (sf_epochs[i].a == a) e = sf_epochs[i].epoch;
-    return e;
-}
+/* The product calls' epochs (q_common.h) */
+_Thread_local int64_t sf_call_epoch = 0;
+static int64_t sf_epoch_last = 0;
+int64_t sf_new_epoch(void) { return __atomic_add_fetch(&sf_epoch_last, 1, __ATOMIC_RELAXED); }
 
 int specfleet_q_abi(void) { return 10; } /* runtime/backends/native/kernels.py ABI */
 

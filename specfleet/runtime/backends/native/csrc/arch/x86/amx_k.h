@@ -63,14 +63,13 @@ static void amx_configure(void) {
  * (zeros for rows past the call's last). The drivers hand a thread weight rows 64 at a time (SF_RCH), and laying
  * out 64 activation rows again for each took as long as a fifth of the products (the 1.5B's ffn_gate, 64 rows, one
  * thread: 192 against 162 TSC cycles a weight-row block). So a thread keeps each 64-row chunk's layout in a slot
- * ((m0 / 64) % AMX_SLOTS: a step's 512 prompt rows fill eight) for as long as the rows' epoch (q_common.h) says
- * they are the rows it was made from. */
+ * ((m0 / 64) % AMX_SLOTS: a step's 512 prompt rows fill eight) for the rest of the call (its epoch, q_common.h). */
 #define AMX_SLOTS 8
 typedef struct {
     size_t cap;
     int8_t *mem;
-    const uint8_t *a; /* the key: rows [m0, m0 + R) of `a` (arb bytes each, nb blocks) under `epoch`; a 0 never matches */
-    int64_t epoch, arb, nb, m0;
+    const uint8_t *a; /* the key: rows [m0, m0 + R) of `a` in the call of `epoch`; epoch 0 never matches */
+    int64_t epoch, m0;
     int R;
 } amx_buf;
 static _Thread_local amx_buf amx_slots[AMX_SLOTS];
@@ -91,8 +90,10 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
     _Alignas(64) static _Thread_local int8_t A[AMX_CHUNK][AMX_ROWS][256];
     _Alignas(64) static _Thread_local int32_t C[AMX_CHUNK][8][AMX_ROWS][16];
     _Alignas(64) static _Thread_local float fd[AMX_CHUNK][AMX_ROWS][8], fm[AMX_CHUNK][AMX_ROWS][8];
-    static _Thread_local __m512 acc[AMX_PASSES][AMX_ROWS][8];
+    static _Thread_local __m512 acc[AMX_PASSES][AMX_ROWS][8]; /* 32 KB: per thread, not on the stack */
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* sub-block order from the unpacked registers Z0..Z3 (lane l of Zj: register 2j + l / 8, dword l % 8 = sub-block):
+     * output k, lane l = register t = l % 8 of sub-block 2k + l / 8, from Z0|Z1 (t < 4) or Z2|Z3 (t >= 4) */
     __m512i lo_idx[4], hi_idx[4];
     for (int k = 0; k < 4; k++) {
         int32_t li[16], hi[16];
@@ -132,8 +133,8 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
         }
         for (int q = 0; q < Q; q++) {
             for (int c = 0; c < nc; c++)
-                for (int h = 0; h < 8; h += 4) {
-#define AMX_SUB(i_, tc_)                                                           \
+                for (int h = 0; h < 8; h += 4) { /* sub-blocks h .. h + 3 in C tiles 2..5 */
+#define AMX_SUB(i_, tc_) /* tile numbers are immediates */                        \
                     _tile_zero(tc_);                                             \
                     _tile_loadd(0, A[c][0] + 32 * (h + i_), 256);                \
                     _tile_loadd(1, amx_b_tile(bt, nb, q, b0 + c, h + i_), 64);   \
@@ -142,7 +143,7 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
                     AMX_SUB(0, 2) AMX_SUB(1, 3) AMX_SUB(2, 4) AMX_SUB(3, 5)
 #undef AMX_SUB
                 }
-            for (int n = 0; n < AMX_ROWS; n++) {
+            for (int n = 0; n < AMX_ROWS; n++) { /* q4k_block_acc, lane by lane */
                 __m512 a[8];
                 for (int u = 0; u < 8; u++) a[u] = b0 ? acc[q][n][u] : _mm512_setzero_ps();
                 for (int c = 0; c < nc; c++) {
@@ -157,7 +158,7 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
                 }
                 if (b0 + nc < nb)
                     for (int u = 0; u < 8; u++) acc[q][n][u] = a[u];
-                else
+                else /* hsum8's tree over the sub-blocks: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)) */
                     out[q][n] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
                                               _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
             }
@@ -165,15 +166,19 @@ static void amx_q4_k_group(const uint8_t *w, int64_t row_bytes, int64_t nb, int8
     }
 }
 
-/* the B tiles and epilogue vectors of activation rows [m0, m0 + R) (R <= AMX_PASSES * 16) of `a` under `epoch`:
- * a thread's kept layout where it has one for exactly these rows, else made in its slot; 0 without memory */
+/* the B tiles and epilogue vectors of activation rows [m0, m0 + R) (R <= AMX_PASSES * 16) of `a` in the call of
+ * `epoch`: the thread's kept layout where it has one for exactly these rows, else made in its slot; 0 without memory */
 static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int R, int64_t epoch, int8_t **bt,
                       float **bf) {
     const int Q = (R + AMX_ROWS - 1) / AMX_ROWS;
     const size_t tiles = (size_t)Q * nb * 8 * 512, need = tiles + (size_t)Q * nb * 144 * sizeof(float);
     amx_buf *s = &amx_slots[(m0 / (AMX_PASSES * AMX_ROWS)) % AMX_SLOTS];
-    const int kept = epoch && s->a == a && s->epoch == epoch && s->arb == arb && s->nb == nb && s->m0 == m0 && s->R == R;
-    s->a = 0; /* unkeyed until laid out */
+    if (epoch && s->epoch == epoch && s->a == a && s->m0 == m0 && s->R == R) {
+        *bt = s->mem;
+        *bf = (float *)(s->mem + tiles);
+        return 1;
+    }
+    s->epoch = 0; /* unkeyed until laid out */
     if (need > s->cap) {
         free(s->mem);
         s->mem = (int8_t *)aligned_alloc(64, (need + 63) / 64 * 64);
@@ -182,10 +187,6 @@ static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int
     }
     *bt = s->mem;
     *bf = (float *)(s->mem + tiles);
-    if (kept) {
-        s->a = a;
-        return 1;
-    }
     for (int q = 0; q < Q; q++) {
         const int rows = R - 16 * q < 16 ? R - 16 * q : 16;
         const __mmask16 valid = (__mmask16)((1u << rows) - 1);
@@ -209,10 +210,7 @@ static int amx_layout(const uint8_t *a, int64_t arb, int64_t nb, int64_t m0, int
             _mm512_store_ps(fs + 128, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, xf + d_at, 4));
         }
     }
-    if (epoch) {
-        s->a = a;
-        s->epoch = epoch, s->arb = arb, s->nb = nb, s->m0 = m0, s->R = R;
-    }
+    s->a = a, s->epoch = epoch, s->m0 = m0, s->R = R;
     return 1;
 }
 
@@ -224,7 +222,7 @@ static void cols_q4_k(const uint8_t *W, int64_t row_bytes, int64_t nb, const uin
         return;
     }
     amx_configure();
-    const int64_t epoch = sf_act_epoch(a);
+    const int64_t epoch = sf_call_epoch;
     for (int64_t m0 = c0; m0 < c1; m0 += AMX_PASSES * AMX_ROWS) {
         const int R = (int)(c1 - m0 < AMX_PASSES * AMX_ROWS ? c1 - m0 : AMX_PASSES * AMX_ROWS);
         int8_t *bt;
