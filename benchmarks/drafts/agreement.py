@@ -27,11 +27,8 @@ attention and norms (RESULTS.md, session 44), and prompt feeds.
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import time
-from dataclasses import replace
 
 import torch
 
@@ -66,15 +63,6 @@ def fake_quantize(w: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
         q = ((b - lo) * inv + 0.5).trunc().clamp(max=2 ** bits - 1)
         r = q * d.half().float() + lo.half().float()
     return r.reshape(out, k).to(w.dtype)
-
-
-def with_layers(model, keep: list[int]):
-    """A view of `model` running only its decoder layers `keep`, in order, sharing every weight."""
-    cut = copy.copy(model)
-    cut._modules, cut._parameters, cut._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
-    cut.layers = torch.nn.ModuleList([model.layers[i] for i in keep])
-    cut.config = replace(model.config, num_layers=len(keep))
-    return cut
 
 
 def agreement(model, items: list[tuple[list[int], list[int]]], head_vocab: int) -> float:
@@ -117,6 +105,7 @@ def main() -> None:
     from specfleet.registry import resolve_model
     from specfleet.runtime.loading import load
     from specfleet.sampling_params import SamplingParams
+    from specfleet.strategies.factory import layer_cut
 
     src, _ = iter_prompts(args.dataset)
     texts = [p.text for p in select(src, args.prompts + args.select)]
@@ -169,24 +158,25 @@ def main() -> None:
     layers = [{"layers dropped": 0, "dropped": "", "agreement (selection)": round(agreement(native, selection,
                args.head_vocab), 3), "agreement": formats[0]["agreement"], "d floor": floor(4.5)}]
     for n in range(1, args.skip_up_to + 1):
-        tried = [(agreement(with_layers(native, [j for j in keep if j != i]), selection, args.head_vocab), i)
+        tried = [(agreement(layer_cut(native, [j for j in keep if j != i]), selection, args.head_vocab), i)
                  for i in keep[1:-1]]
         best, drop = max(tried)
         keep = [j for j in keep if j != drop]
         layers.append({"layers dropped": n, "dropped": drop, "agreement (selection)": round(best, 3),
-                       "agreement": round(agreement(with_layers(native, keep), evaluate, args.head_vocab), 3),
+                       "agreement": round(agreement(layer_cut(native, keep), evaluate, args.head_vocab), 3),
                        "d floor": floor(4.5, len(keep) / total_layers)})
         print(layers[-1], flush=True)
 
     print(md_table(formats, list(formats[0])))
     print(md_table(layers, list(layers[0])))
+    p = formats[0]["agreement"]
     body = (f"Draft qwen-0.5b against target qwen-1.5b's greedy outputs, teacher-forced, {args.dataset}, "
             f"{args.prompts} evaluation prompts x {args.tokens} tokens ({args.select} more to choose the layers to "
             f"drop), head over the first {args.head_vocab} ids. Agreement: the share of the target's tokens the draft "
             "predicts from the target's prefix (per-token acceptance without early stops). d floor: the variant's "
             "layer weights plus a Q4_0 head, over the target file's bytes. The simulated formats multiply fp32 "
             f"activations (the native kernels: 8-bit); one standard error of an agreement is about "
-            f"{(0.86 * 0.14 / (args.prompts * args.tokens)) ** 0.5:.3f}.\n\n**Weight formats** (all layers)\n\n"
+            f"{(p * (1 - p) / (args.prompts * args.tokens)) ** 0.5:.3f}.\n\n**Weight formats** (all layers)\n\n"
             + md_table(formats, list(formats[0])) + "\n\n**Layers dropped** (Q4_0, native kernels; each time the "
             "layer whose loss hurts agreement least on the selection prompts)\n\n" + md_table(layers, list(layers[0])))
     print(write_results("agreement", {"args": vars(args), "target_bytes": target_bytes, "formats": formats,

@@ -93,15 +93,18 @@ def build(spec_text: str | Node, spec: SpecConfig, load_model: LoadModel, target
                     target_model).build(node)
 
 
-def layer_cut(model, num_layers: int):
-    """A view of `model` with only its first `num_layers` layers, sharing every weight."""
+def layer_cut(model, num_layers: int | list[int]):
+    """A view of `model` with only its first `num_layers` layers (or the layers of that list, in order), sharing
+    every weight."""
     total = model.config.num_layers
-    if not 1 <= num_layers <= total:
-        raise InvalidRequestError(f"cannot keep {num_layers} layers of a {total}-layer model")
+    keep = list(range(num_layers)) if isinstance(num_layers, int) else list(num_layers)
+    if not keep or not all(0 <= i < total for i in keep) or len(set(keep)) != len(keep):
+        what = f"{num_layers} layers" if isinstance(num_layers, int) else f"layers {num_layers}"
+        raise InvalidRequestError(f"cannot keep {what} of a {total}-layer model")
     cut = copy.copy(model)
     cut._modules, cut._parameters, cut._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
-    cut.layers = torch.nn.ModuleList(list(model.layers)[:num_layers])
-    cut.config = replace(model.config, num_layers=num_layers)
+    cut.layers = torch.nn.ModuleList([model.layers[i] for i in keep])
+    cut.config = replace(model.config, num_layers=len(keep))
     return cut
 
 

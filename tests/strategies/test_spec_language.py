@@ -142,6 +142,11 @@ def test_each_model_loads_once_and_layer_cuts_share_weights(monkeypatch, drafts)
         cache("d1@x")
     with pytest.raises(InvalidRequestError, match="cannot keep 3 layers"):
         layer_cut(drafts["d1"], 3)
+    picked = layer_cut(drafts["d1"], [1])  # any layers, in order (benchmarks/drafts/agreement.py drops middle ones)
+    assert picked.config.num_layers == 1 and picked.layers[0] is drafts["d1"].layers[1]
+    for bad in ([], [2], [0, 0]):
+        with pytest.raises(InvalidRequestError, match="cannot keep layers"):
+            layer_cut(drafts["d1"], bad)
 
 
 def test_ngram_tables_come_from_a_file_when_named(tmp_path, drafts):
