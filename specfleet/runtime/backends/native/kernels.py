@@ -81,8 +81,8 @@ def flags(path: str) -> list[str]:
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
 # 8: specfleet_set_prefetch; 9: specfleet_set_grouping; 10: a distance for weight rows in groups, prefetches into L2,
-# grouping by the activations' size
-ABI = 10
+# grouping by the activations' size; 11: specfleet_set_prefetch_far
+ABI = 11
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -111,6 +111,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_q_isa": ([], ctypes.c_char_p),
     "specfleet_set_prefetch": ([_i64, _i64, _i64, _i64], None),
     "specfleet_set_grouping": ([_i64, _i64], None),
+    "specfleet_set_prefetch_far": ([_i64, _i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
@@ -201,6 +202,39 @@ PREFETCH: dict[tuple[str, str, int | None], tuple[int, int, int, int]] = {
 GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 25): (8, 16384)}
 
 
+# A second prefetch of the weights, further ahead and into L2 only (csrc/arch/x86/x86.h stream_ahead;
+# sf_prefetch_far): (one activation row, more rows) distances in bytes, 0 for none (the compiled default). A core
+# keeps as many misses to memory in flight as its L1 has fill buffers; where the L1 prefetch finds its lines already
+# in L2 each fill buffer is held for an L2 hit only, so more of the stream is in flight. On an AMX Xeon (Golden Cove
+# class cores, 2 vCPUs) 12 KB into L2 on top of the 4 KB into L1 made the 1.5B's one-row forward 10-13 % faster and
+# 2-5 rows 5-15 % faster, 9 rows level; 8 KB and 16-24 KB less so, a non-temporal hint far slower (benchmarks/kernels/
+# prefetch.py far= farmany=, benchmarks/RESULTS.md, session 48). Measured on that CPU only, so it is keyed to Intel
+# CPUs with the tile unit (the `amx_tile` flag: Sapphire Rapids and later), on the 512-bit paths.
+PREFETCH_FAR_AMX_XEON = (12288, 12288)
+
+
+def prefetch_far_setting(path: str, vendor: str | None = None,
+                         flags: frozenset[str] | None = None) -> tuple[int, int] | None:
+    """(one row, more rows) far prefetch distances into L2 for ISA path `path` on this CPU: SPECFLEET_PREFETCH_FAR
+    ("ONE,MANY" in bytes, 0 for none) where set, else PREFETCH_FAR_AMX_XEON on an Intel CPU with AMX running a
+    512-bit path; None keeps the compiled default (none)."""
+    env = os.environ.get("SPECFLEET_PREFETCH_FAR", "").strip()
+    if env:
+        try:
+            values = [int(v) for v in env.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 2 or not all(0 <= v <= 1 << 20 for v in values):
+            raise ValueError(f"SPECFLEET_PREFETCH_FAR={env!r}: expected ONE_ROW,MANY_ROWS, byte counts in "
+                             f"[0, {1 << 20}] (0: none)")
+        return values[0], values[1]
+    vendor = native.cpu_vendor() if vendor is None else vendor
+    flags = native.cpu_flags() if flags is None else flags
+    if path in ("amx", "avx512vnni") and vendor == "GenuineIntel" and "amx_tile" in flags:
+        return PREFETCH_FAR_AMX_XEON
+    return None
+
+
 # paths whose settings are another path's: `amx` runs decode and verification on the avx512vnni kernels
 TUNED_AS = {"amx": "avx512vnni"}
 
@@ -265,6 +299,13 @@ def _load(path: str) -> ctypes.CDLL:
     if setting is not None:
         lib.specfleet_set_prefetch(*setting)
     try:
+        far = prefetch_far_setting(path)
+    except ValueError as e:
+        log.warning("%s; keeping the compiled far prefetch (none)", e)
+        far = None
+    if far is not None:
+        lib.specfleet_set_prefetch_far(*far)
+    try:
         rows = group_rows_setting(path)
     except ValueError as e:
         log.warning("%s; keeping the compiled grouping", e)
@@ -276,13 +317,15 @@ def _load(path: str) -> ctypes.CDLL:
 
 def tuning(path: str | None = None) -> dict | None:
     """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
-    distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the fewest rows that go
-    in weight-row groups and the activation bytes above which fewer do (0: never); None where it is not loaded."""
+    distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the far distances into
+    L2 (one row, more rows; 0: none), the fewest rows that go in weight-row groups and the activation bytes above which
+    fewer do (0: never); None where it is not loaded."""
     lib = library(path)
     if lib is None:
         return None
     return {"prefetch_bytes": list((ctypes.c_int64 * 3).in_dll(lib, "sf_prefetch_bytes")),
             "prefetch_l2": bool(ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value),
+            "prefetch_far": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_far")),
             "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value,
             "group_act_bytes": ctypes.c_int64.in_dll(lib, "sf_group_act_bytes").value}
 

@@ -58,9 +58,10 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [5, 13, 28])  # 32-weight formats: a tail group of 5; one group of 8 and a tail
 # of 5; three groups of 8 and one of 4
-@pytest.mark.parametrize("group_rows", [(2, 0, 0), (7, 0, 1), (7, 1000, 1)])  # weight rows in groups from 2 activation
-# rows (the compiled default), or row by row below 7 (a Zen 4's setting is 6), or that but in groups from 2 rows
-# past 1000 bytes of activations; the last two prefetching into L2: whichever the CPU's setting, all ways are checked
+@pytest.mark.parametrize("group_rows", [(2, 0, 0, 0), (7, 0, 1, 0), (7, 1000, 1, 0), (2, 0, 0, 12288)])  # weight rows
+# in groups from 2 activation rows (the compiled default), or row by row below 7 (a Zen 4's setting is 6), or that but
+# in groups from 2 rows past 1000 bytes of activations; the middle two prefetching into L2, the last with a second
+# prefetch 12 KB ahead into L2 (an AMX Xeon's setting): whichever the CPU's setting, all ways are checked
 def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     fast, base = _lib_or_skip(path), _lib_or_skip("avx2")
     if blocks != 5 and block_of(qtype) == 256:
@@ -71,6 +72,7 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     before = native_backend.tuning(path)
     fast.specfleet_set_grouping(*group_rows[:2])
     fast.specfleet_set_prefetch(-1, -1, -1, group_rows[2])
+    fast.specfleet_set_prefetch_far(group_rows[3], group_rows[3])
     try:
         for n in (37, 38, 39):  # weight rows in fours (the 512-bit Q4_K path), then 1, 2 or 3 left over
             w = random_blocks(qtype, n, k, seed=3)
@@ -80,6 +82,7 @@ def test_every_path_gives_the_avx2_bits(path, qtype, blocks, group_rows):
     finally:
         fast.specfleet_set_grouping(before["group_min_rows"], before["group_act_bytes"])
         fast.specfleet_set_prefetch(-1, -1, -1, int(before["prefetch_l2"]))
+        fast.specfleet_set_prefetch_far(*before["prefetch_far"])
 
 
 def test_a_best_path_that_does_not_build_falls_back_to_the_next(monkeypatch):
@@ -279,6 +282,40 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
         assert "keeping the compiled prefetch distances" in caplog.text and tuple(distances) == (2345, 6789, 9012)
     finally:
         lib.specfleet_set_prefetch(*before)
+
+
+def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
+    """The second prefetch into L2 (speed only; the bits are checked with it on above): 12 KB ahead for one row and for
+    more on an Intel CPU with the tile unit running a 512-bit path, none elsewhere (the compiled default), unless
+    SPECFLEET_PREFETCH_FAR overrides; a malformed override is named and ignored, and the kernels still load."""
+    monkeypatch.delenv("SPECFLEET_PREFETCH_FAR", raising=False)
+    amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"})
+    assert native_backend.prefetch_far_setting("amx", "GenuineIntel", amx_xeon) == (12288, 12288)
+    assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", amx_xeon) == (12288, 12288)
+    assert native_backend.prefetch_far_setting("avx2", "GenuineIntel", amx_xeon) is None
+    assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", amx_xeon - {"amx_tile"}) is None
+    assert native_backend.prefetch_far_setting("avx512vnni", "AuthenticAMD", amx_xeon) is None
+    monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", "0,8192")
+    assert native_backend.prefetch_far_setting("avx2", "AuthenticAMD", frozenset()) == (0, 8192)
+    for bad in ("8192", "a,b", "1,-1", "1,9999999", "1,2,3"):
+        monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", bad)
+        with pytest.raises(ValueError, match="SPECFLEET_PREFETCH_FAR"):
+            native_backend.prefetch_far_setting("avx2")
+    paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
+    if not paths:
+        pytest.skip("no x86 kernel path runs here")
+    lib = native_backend.library(paths[0])
+    before = native_backend.tuning(paths[0])["prefetch_far"]
+    try:
+        monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", "1234,5678")
+        native_backend._load(paths[0])
+        assert native_backend.tuning(paths[0])["prefetch_far"] == [1234, 5678]
+        monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", "oops")
+        assert native_backend._load(paths[0]) is not None
+        assert "keeping the compiled far prefetch" in caplog.text
+        assert native_backend.tuning(paths[0])["prefetch_far"] == [1234, 5678]
+    finally:
+        lib.specfleet_set_prefetch_far(*before)
 
 
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):

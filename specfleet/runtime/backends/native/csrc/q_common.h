@@ -43,6 +43,10 @@ extern int64_t sf_prefetch_bytes[3];
 /* nonzero: prefetches for more than one activation row go to L2 rather than L1 (x86 stream_ahead), so weights
  * read once do not push out of L1 the activation quants that every weight row reads again */
 extern int64_t sf_prefetch_l2;
+/* a second, further distance for one activation row ([0]) and for more ([1]) whose lines go into L2 only (0: none).
+ * The near prefetch then finds its lines in L2 and holds an L1 fill buffer for a short L2 hit rather than a trip to
+ * memory, so more of the stream is in flight than the L1's fill buffers alone allow (x86 stream_ahead). */
+extern int64_t sf_prefetch_far[2];
 /* the fewest activation rows of `arb` bytes each that take weight rows in pairs and fours: sf_group_min_rows, or
  * fewer (from 2) where that many rows' quants exceed sf_group_act_bytes. (A row count the callers compare with, as
  * they compared with sf_group_min_rows: a yes/no function in its place made GCC lay out the one-row loops so that

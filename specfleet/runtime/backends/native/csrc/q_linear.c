@@ -55,6 +55,14 @@ void specfleet_set_prefetch(int64_t one_row, int64_t many_rows, int64_t grouped,
     if (l2 >= 0) sf_prefetch_l2 = l2 != 0;
 }
 
+/* Set the far prefetch distances into L2 (q_common.h sf_prefetch_far) for one activation row and for more; 0 turns
+ * one off, negative keeps it. Changes no result. */
+int64_t sf_prefetch_far[2] = {0, 0};
+void specfleet_set_prefetch_far(int64_t one_row, int64_t many_rows) {
+    if (one_row >= 0 && one_row <= (1 << 20)) sf_prefetch_far[0] = one_row;
+    if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_far[1] = many_rows;
+}
+
 /* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h), and the
  * activation bytes above which fewer rows (from 2) do too (0: never); fewer go row by row. Below 2 means 2,
  * negative bytes keep the value. Changes no result. */
@@ -71,7 +79,7 @@ _Thread_local int64_t sf_call_epoch = 0;
 static int64_t sf_epoch_last = 0;
 int64_t sf_new_epoch(void) { return __atomic_add_fetch(&sf_epoch_last, 1, __ATOMIC_RELAXED); }
 
-int specfleet_q_abi(void) { return 10; } /* runtime/backends/native/kernels.py ABI */
+int specfleet_q_abi(void) { return 11; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }

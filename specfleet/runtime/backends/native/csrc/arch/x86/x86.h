@@ -78,7 +78,12 @@ ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) 
  * With sf_prefetch_l2 set, passes over more than one activation row prefetch into L2 instead of L1: there the
  * activation quants, which every weight row reads again, stay in L1 (on a Zen 4 the 1.5B's down product, 8960
  * wide, verified 2-5 rows in 9-13 ms against 14-20 ms prefetching into L1). All settable at run time
- * (specfleet_set_prefetch) so one process can compare them. Prefetches change no result. */
+ * (specfleet_set_prefetch) so one process can compare them. Where sf_prefetch_far is set, each block also asks for
+ * the lines that much further on into L2 alone (specfleet_set_prefetch_far): the L1 prefetch then meets them in L2.
+ * A core keeps only as many misses to memory in flight as its L1 has fill buffers (16 on a Golden Cove core), and
+ * one row read 12.4 GB/s a core on an AMX Xeon; the L2 takes more requests than that, so with the lines 12 KB
+ * ahead in L2 the 1.5B's one-row forward ran 10-13 % faster there, 2-5 rows 5-15 % (benchmarks/RESULTS.md, session
+ * 48). Prefetches change no result. */
 ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes, int l2) {
     if (l2)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
@@ -87,9 +92,11 @@ ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes, int l2) {
 }
 ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes, int R) {
     prefetch_lines((const char *)block + sf_prefetch_bytes[R > 1], bytes, R > 1 && sf_prefetch_l2);
+    if (sf_prefetch_far[R > 1]) prefetch_lines((const char *)block + sf_prefetch_far[R > 1], bytes, 1);
 }
 ALWAYS_INLINE void stream_ahead_grouped(const void *block, int64_t bytes) {
     prefetch_lines((const char *)block + sf_grouped_ahead, bytes, (int)sf_prefetch_l2);
+    if (sf_prefetch_far[1]) prefetch_lines((const char *)block + sf_prefetch_far[1], bytes, 1);
 }
 
 #define ACC_INIT_N(R, N)                                        \
