@@ -20,14 +20,14 @@ tokens agree somewhat more often).
   agreement least on separate selection prompts (the first and last layers always stay); agreement is then read
   on the evaluation prompts.
 
-Bytes: the variant's decoder-layer weights plus a Q4_0 head over `--head-vocab` ids, over the 1.5B's file (a tied
-head: every byte is read each step). This is a floor on d from bandwidth alone; a step also pays ~1.4 ms of calls,
-attention and norms (RESULTS.md, session 44), and prompt feeds.
+Bytes: the variant's decoder-layer weights plus a Q4_0 head over `--head-vocab` ids, over the bytes the 1.5B reads a
+decode step (`specfleet.bench.roofline.weight_bytes_per_step`: its decoder layers and its output head, 979 MB; not
+its file's 1,117 MB, which also hold the embedding table a step reads one row of). This is a floor on d from
+bandwidth alone at equal bandwidth; a step also pays calls, attention and norms, and prompt feeds.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -101,8 +101,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from specfleet.bench.datasets import iter_prompts, select
+    from specfleet.bench.roofline import weight_bytes_per_step
     from specfleet.llm import LLM
-    from specfleet.registry import resolve_model
     from specfleet.runtime.loading import load
     from specfleet.sampling_params import SamplingParams
     from specfleet.strategies.factory import layer_cut
@@ -117,7 +117,7 @@ def main() -> None:
         ids = target.tokenizer.encode(text)
         items.append((ids, list(target.generate([ids], params)[0].token_ids)))
     evaluate, selection = items[:args.prompts], items[args.prompts:]
-    target_bytes = os.path.getsize(resolve_model("qwen-1.5b"))
+    target_bytes = weight_bytes_per_step(target.model)
     del target
     print(f"target outputs: {len(items)} prompts in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -174,7 +174,7 @@ def main() -> None:
             f"{args.prompts} evaluation prompts x {args.tokens} tokens ({args.select} more to choose the layers to "
             f"drop), head over the first {args.head_vocab} ids. Agreement: the share of the target's tokens the draft "
             "predicts from the target's prefix (per-token acceptance without early stops). d floor: the variant's "
-            "layer weights plus a Q4_0 head, over the target file's bytes. The simulated formats multiply fp32 "
+            f"layer weights plus a Q4_0 head, over the {target_bytes / 1e6:.0f} MB the target reads a decode step. The simulated formats multiply fp32 "
             f"activations (the native kernels: 8-bit); one standard error of an agreement is about "
             f"{(p * (1 - p) / (args.prompts * args.tokens)) ** 0.5:.3f}.\n\n**Weight formats** (all layers)\n\n"
             + md_table(formats, list(formats[0])) + "\n\n**Layers dropped** (Q4_0, native kernels; each time the "

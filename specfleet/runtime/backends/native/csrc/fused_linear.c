@@ -92,6 +92,7 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         const int kind = sf_act_kind(pt->type);
         const int64_t n0 = (ch - start[p]) * SF_RCH, n1 = n0 + SF_RCH < pt->N ? n0 + SF_RCH : pt->N;
         const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
+        sf_far_chunk((const uint8_t *)pt->W, pt->row_bytes, n0, n1, M);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
             sf_call_epoch = epoch;

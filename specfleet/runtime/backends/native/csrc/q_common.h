@@ -47,6 +47,18 @@ extern int64_t sf_prefetch_l2;
  * The near prefetch then finds its lines in L2 and holds an L1 fill buffer for a short L2 hit rather than a trip to
  * memory, so more of the stream is in flight than the L1's fill buffers alone allow (x86 stream_ahead). */
 extern int64_t sf_prefetch_far[2];
+/* Where the weight rows of the chunk a thread is reading end (the drivers set it for every chunk: sf_far_chunk): the
+ * far prefetch stops there, as the rows past it are a chunk another thread may be reading already */
+extern _Thread_local uintptr_t sf_far_end;
+/* A driver's chunk of weight rows [n0, n1) of W (row_bytes each) for M activation rows: its end as sf_far_end, and
+ * with a far distance set, its first that-many bytes into L2 (the far prefetch of the blocks before would have asked
+ * for them, had the chunk followed them on this thread). Changes no result. */
+ALWAYS_INLINE void sf_far_chunk(const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1, int64_t M) {
+    const int64_t far = sf_prefetch_far[M > 1], len = (n1 - n0) * row_bytes;
+    const uint8_t *p = W + n0 * row_bytes;
+    sf_far_end = (uintptr_t)(p + len);
+    for (int64_t o = 0; o < (far < len ? far : len); o += 64) __builtin_prefetch(p + o, 0, 1);
+}
 /* the fewest activation rows of `arb` bytes each that take weight rows in pairs and fours: sf_group_min_rows, or
  * fewer (from 2) where that many rows' quants exceed sf_group_act_bytes. (A row count the callers compare with, as
  * they compared with sf_group_min_rows: a yes/no function in its place made GCC lay out the one-row loops so that

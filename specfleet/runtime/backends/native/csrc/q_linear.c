@@ -34,6 +34,7 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         const int64_t n0 = ch * SF_RCH, n1 = n0 + SF_RCH < N ? n0 + SF_RCH : N;
+        sf_far_chunk(W, row_bytes, n0, n1, M);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
             sf_call_epoch = epoch;
@@ -58,6 +59,7 @@ void specfleet_set_prefetch(int64_t one_row, int64_t many_rows, int64_t grouped,
 /* Set the far prefetch distances into L2 (q_common.h sf_prefetch_far) for one activation row and for more; 0 turns
  * one off, negative keeps it. Changes no result. */
 int64_t sf_prefetch_far[2] = {0, 0};
+_Thread_local uintptr_t sf_far_end = UINTPTR_MAX;
 void specfleet_set_prefetch_far(int64_t one_row, int64_t many_rows) {
     if (one_row >= 0 && one_row <= (1 << 20)) sf_prefetch_far[0] = one_row;
     if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_far[1] = many_rows;

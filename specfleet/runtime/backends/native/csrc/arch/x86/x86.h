@@ -83,7 +83,9 @@ ALWAYS_INLINE void pair_out(const __m512 *acc, int R, float *out0, float *out1) 
  * A core keeps only as many misses to memory in flight as its L1 has fill buffers (16 on a Golden Cove core), and
  * one row read 12.4 GB/s a core on an AMX Xeon; the L2 takes more requests than that, so with the lines 12 KB
  * ahead in L2 the 1.5B's one-row forward ran 10-13 % faster there, 2-5 rows 5-15 % (benchmarks/RESULTS.md, session
- * 48). Prefetches change no result. */
+ * 48). The far prefetch stops at the end of the thread's chunk of weight rows (sf_far_end), whose first far bytes the
+ * driver asks for when the chunk starts (sf_far_chunk, q_common.h): another 2 % on plain decoding there. Prefetches
+ * change no result. */
 ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes, int l2) {
     if (l2)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
@@ -92,11 +94,13 @@ ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes, int l2) {
 }
 ALWAYS_INLINE void stream_ahead(const void *block, int64_t bytes, int R) {
     prefetch_lines((const char *)block + sf_prefetch_bytes[R > 1], bytes, R > 1 && sf_prefetch_l2);
-    if (sf_prefetch_far[R > 1]) prefetch_lines((const char *)block + sf_prefetch_far[R > 1], bytes, 1);
+    const int64_t far = sf_prefetch_far[R > 1];
+    if (far && (uintptr_t)block + far < sf_far_end) prefetch_lines((const char *)block + far, bytes, 1);
 }
 ALWAYS_INLINE void stream_ahead_grouped(const void *block, int64_t bytes) {
     prefetch_lines((const char *)block + sf_grouped_ahead, bytes, (int)sf_prefetch_l2);
-    if (sf_prefetch_far[1]) prefetch_lines((const char *)block + sf_prefetch_far[1], bytes, 1);
+    const int64_t far = sf_prefetch_far[1];
+    if (far && (uintptr_t)block + far < sf_far_end) prefetch_lines((const char *)block + far, bytes, 1);
 }
 
 #define ACC_INIT_N(R, N)                                        \
