@@ -17,7 +17,9 @@ A setting is ONE_ROW,MANY_ROWS in bytes (`specfleet_set_prefetch`), optionally ,
 rows for which weight rows go in pairs and fours (`specfleet_set_grouping`; fewer go row by row). Or keys, any of
 one=, many=, grouped= (the distance for weight rows in pairs and fours), l2= (1: more rows prefetch into L2),
 group= and act= (the activation bytes above which 2 or more rows go in groups; 0: never), far= and farmany= (a
-second prefetch into L2 only, further ahead, for one row and for more: `specfleet_set_prefetch_far`; 0: none);
+second prefetch into L2 only, further ahead, for one row and for more: `specfleet_set_prefetch_far`; 0: none),
+chunk= (the fewest bytes of weight rows a one-row product hands a thread at once: `specfleet_set_chunk_bytes`; 0: 64
+rows);
 what a setting leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
@@ -37,7 +39,7 @@ ROWS = (1, 2, 3, 5, 6, 7, 9)  # 6-7: a tree of 5-6 nodes and its root, the one-s
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
 
 
-KEYS = ("one", "many", "grouped", "l2", "group", "act", "far", "farmany")
+KEYS = ("one", "many", "grouped", "l2", "group", "act", "far", "farmany", "chunk")
 
 
 def setting(text: str) -> dict:
@@ -56,7 +58,8 @@ def setting(text: str) -> dict:
             f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS] or keys {KEYS}: {text}") from None
     if set(out) - set(KEYS):
         raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(out) - set(KEYS))} in {text} (known: {KEYS})")
-    if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped", "far", "farmany") if k in out):
+    if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped", "far", "farmany") if k in out) or \
+            not 0 <= out.get("chunk", 0) <= 1 << 24:
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
     if (out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20
             or not 0 <= out.get("act", 0) <= 1 << 30):
@@ -64,12 +67,12 @@ def setting(text: str) -> dict:
     return out
 
 
-def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int, int, int]:
+def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int, int, int, int]:
     """a setting with what it leaves out taken from the settings in effect (`native_backend.tuning()`)"""
     pf, far = now["prefetch_bytes"], now["prefetch_far"]
     return (s.get("one", pf[0]), s.get("many", pf[1]), s.get("grouped", pf[2]), s.get("l2", int(now["prefetch_l2"])),
             s.get("group", now["group_min_rows"]), s.get("act", now["group_act_bytes"]), s.get("far", far[0]),
-            s.get("farmany", far[1]))
+            s.get("farmany", far[1]), s.get("chunk", now["chunk_bytes"]))
 
 
 def main() -> None:
@@ -98,7 +101,8 @@ def main() -> None:
             for s in args.settings if r % 2 == 0 else args.settings[::-1]:
                 lib.specfleet_set_prefetch(*s[:4])
                 lib.specfleet_set_grouping(*s[4:6])
-                lib.specfleet_set_prefetch_far(*s[6:])
+                lib.specfleet_set_prefetch_far(*s[6:8])
+                lib.specfleet_set_chunk_bytes(s[8])
                 for _ in range(2):  # the steady state of decoding under this setting
                     _run(engine, rid, ids[CONTEXT:CONTEXT + 1], CONTEXT, True)
                 for n in ROWS:
@@ -110,17 +114,19 @@ def main() -> None:
         med = {n: statistics.median(times[(s, n)]) for n in ROWS}
         table.append({"one_row_bytes": s[0], "many_rows_bytes": s[1], "grouped_bytes": s[2], "into_l2": s[3],
                       "group_rows": s[4], "group_act_bytes": s[5], "far_one_row_bytes": s[6], "far_many_rows_bytes": s[7],
+                      "one_row_chunk_bytes": s[8],
                       **{f"ms_{n}": 1e3 * med[n] for n in ROWS},
                       **{f"c({n - 1})": med[n] / med[1] for n in ROWS[1:]}})
-        print("one={},many={},grouped={},l2={},group={},act={},far={},farmany={} ".format(*s)
+        print("one={},many={},grouped={},l2={},group={},act={},far={},farmany={},chunk={} ".format(*s)
               + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
               + "  c: " + " ".join(f"{med[n] / med[1]:.2f}" for n in ROWS[1:]), flush=True)
     cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
-            "far_one_row_bytes", "far_many_rows_bytes",
+            "far_one_row_bytes", "far_many_rows_bytes", "one_row_chunk_bytes",
             *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
     body = (f"The default target's forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
             "rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups, "
-            "the activation bytes from which 2 rows group, and the far distances into L2 for one row and more), "
+            "the activation bytes from which 2 rows group, the far distances into L2 for one row and more, and the "
+            "bytes of a one-row product's chunks), "
             f"kernel ISA path {native_backend.isa()}; settings alternate in every round, medians of {args.rounds} "
             "rounds.\n\n" + md_table(table, cols))
     payload = {"args": {"settings": args.settings, "rounds": args.rounds}, "kernel_isa": native_backend.isa(),

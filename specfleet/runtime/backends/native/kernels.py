@@ -81,7 +81,7 @@ def flags(path: str) -> list[str]:
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
 # 8: specfleet_set_prefetch; 9: specfleet_set_grouping; 10: a distance for weight rows in groups, prefetches into L2,
-# grouping by the activations' size; 11: specfleet_set_prefetch_far
+# grouping by the activations' size; 11: specfleet_set_prefetch_far, specfleet_set_chunk_bytes
 ABI = 11
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
@@ -112,6 +112,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_set_prefetch": ([_i64, _i64, _i64, _i64], None),
     "specfleet_set_grouping": ([_i64, _i64], None),
     "specfleet_set_prefetch_far": ([_i64, _i64], None),
+    "specfleet_set_chunk_bytes": ([_i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
@@ -228,11 +229,39 @@ def prefetch_far_setting(path: str, vendor: str | None = None,
             raise ValueError(f"SPECFLEET_PREFETCH_FAR={env!r}: expected ONE_ROW,MANY_ROWS, byte counts in "
                              f"[0, {1 << 20}] (0: none)")
         return values[0], values[1]
+    return PREFETCH_FAR_AMX_XEON if _amx_xeon(path, vendor, flags) else None
+
+
+# The fewest bytes of weight rows a one-row product (decode) hands a thread at once (csrc/q_common.h sf_chunk_rows;
+# compiled 0: 64 rows, 32-80 KB of the 1.5B's and the 0.5B's matrices). Where a chunk ends, what the thread prefetched
+# past it is another thread's and the next chunk starts cold, so longer chunks stream better. On the AMX Xeon, with the
+# far prefetch, 128 KB made the 1.5B's one-row forward 5 % faster and the requantized 0.5B's decode 7-8 % (256 KB: 7 %
+# and 6 %, 512 KB slower for the 0.5B; benchmarks/kernels/prefetch.py chunk=, benchmarks/RESULTS.md, session 48). Keyed
+# as the far prefetch, with which it was measured.
+CHUNK_BYTES_AMX_XEON = 131072
+
+
+def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[str] | None = None) -> int | None:
+    """The fewest bytes of a one-row product's chunks for ISA path `path` on this CPU: SPECFLEET_CHUNK_BYTES (0: 64
+    rows) where set, else CHUNK_BYTES_AMX_XEON on an Intel CPU with AMX running a 512-bit path; None keeps the
+    compiled default (64 rows)."""
+    env = os.environ.get("SPECFLEET_CHUNK_BYTES", "").strip()
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= 1 << 24:
+            raise ValueError(f"SPECFLEET_CHUNK_BYTES={env!r}: expected a byte count in [0, {1 << 24}] (0: 64 rows)")
+        return value
+    return CHUNK_BYTES_AMX_XEON if _amx_xeon(path, vendor, flags) else None
+
+
+def _amx_xeon(path: str, vendor: str | None, flags: frozenset[str] | None) -> bool:
+    """Whether `path` is a 512-bit path on an Intel CPU with the tile unit (where the far prefetch was measured)."""
     vendor = native.cpu_vendor() if vendor is None else vendor
     flags = native.cpu_flags() if flags is None else flags
-    if path in ("amx", "avx512vnni") and vendor == "GenuineIntel" and "amx_tile" in flags:
-        return PREFETCH_FAR_AMX_XEON
-    return None
+    return path in ("amx", "avx512vnni") and vendor == "GenuineIntel" and "amx_tile" in flags
 
 
 # paths whose settings are another path's: `amx` runs decode and verification on the avx512vnni kernels
@@ -306,6 +335,13 @@ def _load(path: str) -> ctypes.CDLL:
     if far is not None:
         lib.specfleet_set_prefetch_far(*far)
     try:
+        chunk = chunk_bytes_setting(path)
+    except ValueError as e:
+        log.warning("%s; keeping the compiled chunks (64 rows)", e)
+        chunk = None
+    if chunk is not None:
+        lib.specfleet_set_chunk_bytes(chunk)
+    try:
         rows = group_rows_setting(path)
     except ValueError as e:
         log.warning("%s; keeping the compiled grouping", e)
@@ -318,7 +354,8 @@ def _load(path: str) -> ctypes.CDLL:
 def tuning(path: str | None = None) -> dict | None:
     """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
     distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the far distances into
-    L2 (one row, more rows; 0: none), the fewest rows that go in weight-row groups and the activation bytes above which
+    L2 (one row, more rows; 0: none), the fewest bytes of a one-row product's chunks (0: 64 rows), the fewest rows
+    that go in weight-row groups and the activation bytes above which
     fewer do (0: never); None where it is not loaded."""
     lib = library(path)
     if lib is None:
@@ -326,6 +363,7 @@ def tuning(path: str | None = None) -> dict | None:
     return {"prefetch_bytes": list((ctypes.c_int64 * 3).in_dll(lib, "sf_prefetch_bytes")),
             "prefetch_l2": bool(ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value),
             "prefetch_far": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_far")),
+            "chunk_bytes": ctypes.c_int64.in_dll(lib, "sf_chunk_bytes").value,
             "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value,
             "group_act_bytes": ctypes.c_int64.in_dll(lib, "sf_group_act_bytes").value}
 

@@ -318,6 +318,42 @@ def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
         lib.specfleet_set_prefetch_far(*before)
 
 
+def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
+    """How many bytes of weight rows a one-row product hands a thread at once (speed only): 128 KB on an Intel CPU
+    with the tile unit running a 512-bit path, else 64 rows (the compiled default), unless SPECFLEET_CHUNK_BYTES
+    overrides; a malformed override is named and ignored. And whatever the chunks, every output keeps its bits."""
+    monkeypatch.delenv("SPECFLEET_CHUNK_BYTES", raising=False)
+    amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile"})
+    assert native_backend.chunk_bytes_setting("amx", "GenuineIntel", amx_xeon) == 131072
+    assert native_backend.chunk_bytes_setting("avx2", "GenuineIntel", amx_xeon) is None
+    assert native_backend.chunk_bytes_setting("avx512vnni", "AuthenticAMD", amx_xeon) is None
+    monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", "0")
+    assert native_backend.chunk_bytes_setting("avx2", "AuthenticAMD", frozenset()) == 0
+    for bad in ("x", "-1", str(1 << 25), "1,2"):
+        monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", bad)
+        with pytest.raises(ValueError, match="SPECFLEET_CHUNK_BYTES"):
+            native_backend.chunk_bytes_setting("avx2")
+    lib = native_backend.library()
+    if lib is None:
+        pytest.skip("no native kernels here")
+    before = native_backend.tuning()["chunk_bytes"]
+    torch.manual_seed(5)
+    w = random_blocks(T.Q4_K, 300, 512, seed=5)  # 300 rows of 288 B: 5 chunks of 64 rows, or 2 of 256 (64 KB)
+    x = torch.randn(1, 512)
+    try:
+        lib.specfleet_set_chunk_bytes(0)
+        want = run_qlinear(lib, x, w)
+        for b in (1, 65536, 1 << 20):
+            lib.specfleet_set_chunk_bytes(b)
+            assert native_backend.tuning()["chunk_bytes"] == b
+            assert torch.equal(run_qlinear(lib, x, w), want), b
+        monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", "oops")
+        assert native_backend._load(native_backend.isa()) is not None
+        assert "keeping the compiled chunks" in caplog.text
+    finally:
+        lib.specfleet_set_chunk_bytes(before)
+
+
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
     """From how many activation rows weight rows go in pairs and fours, and past how many bytes of activations from 2
     rows (speed only; the bits are checked all ways above): the compiled 2 and never unless GROUP_ROWS names the

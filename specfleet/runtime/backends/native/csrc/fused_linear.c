@@ -27,7 +27,7 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
     if (pre == PRE_RMSNORM && !pre_w) return -1;
     int need[SF_ACT_KINDS] = {0, 0, 0};
     cols_fn cols[MAX_PARTS];
-    int64_t start[MAX_PARTS + 1], col0[MAX_PARTS];
+    int64_t start[MAX_PARTS + 1], col0[MAX_PARTS], rch[MAX_PARTS];
     start[0] = 0;
     int64_t col = 0;
     for (int64_t p = 0; p < nparts; p++) {
@@ -35,7 +35,8 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         cols[p] = sfq_columns(t);
         if (!cols[p] || K % (sf_is_k(t) ? 256 : 32) != 0 || parts[p].N < 0) return -1;
         need[sf_act_kind(t)] = 1;
-        start[p + 1] = start[p] + (parts[p].N + SF_RCH - 1) / SF_RCH;
+        rch[p] = sf_chunk_rows(parts[p].row_bytes, M);
+        start[p + 1] = start[p] + (parts[p].N + rch[p] - 1) / rch[p];
         col0[p] = col;
         col += parts[p].N;
     }
@@ -90,7 +91,7 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         while (ch >= start[p + 1]) p++;
         const sfq_part *pt = &parts[p];
         const int kind = sf_act_kind(pt->type);
-        const int64_t n0 = (ch - start[p]) * SF_RCH, n1 = n0 + SF_RCH < pt->N ? n0 + SF_RCH : pt->N;
+        const int64_t n0 = (ch - start[p]) * rch[p], n1 = n0 + rch[p] < pt->N ? n0 + rch[p] : pt->N;
         const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
         sf_far_chunk((const uint8_t *)pt->W, pt->row_bytes, n0, n1, M);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {

@@ -95,6 +95,16 @@ int64_t sf_new_epoch(void);
  * products), and tiles of 8 ran faster (benchmarks/RESULTS.md, session 42, Zen 3). */
 #define WIDE_TILE 12
 #define SF_RCH 64         /* weight rows per scheduled chunk: contiguous enough for the hardware prefetcher */
+/* The weight rows of a scheduled chunk for a product over M activation rows of weight rows of row_bytes each: SF_RCH,
+ * or for one activation row (decode), where sf_chunk_bytes is set, the fewest multiple of SF_RCH rows that hold that
+ * many bytes. A thread reads its chunk's rows as one stream; where a chunk ends, the stream it prefetched ahead is
+ * another thread's, and the next chunk starts cold (sf_far_chunk). Which thread reads a row changes no result. */
+extern int64_t sf_chunk_bytes;
+ALWAYS_INLINE int64_t sf_chunk_rows(int64_t row_bytes, int64_t M) {
+    if (M > 1 || row_bytes <= 0 || sf_chunk_bytes <= 0) return SF_RCH;
+    const int64_t per = SF_RCH * row_bytes;
+    return SF_RCH * ((sf_chunk_bytes + per - 1) / per);
+}
 #define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */
 #define SF_QUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread: cheaper than a fork and join */
 

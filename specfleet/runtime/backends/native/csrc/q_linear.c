@@ -30,10 +30,11 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     uint8_t *a = (uint8_t *)act;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= SF_QUANT_PAR_ROWS && num_threads > 1)
     for (int64_t m = 0; m < M; m++) sf_quantize_act(sf_act_kind(type), x + m * K, K, a + m * arb);
-    const int64_t epoch = sf_new_epoch(), nchunks = (N + SF_RCH - 1) / SF_RCH;
+    const int64_t rch = sf_chunk_rows(row_bytes, M);
+    const int64_t epoch = sf_new_epoch(), nchunks = (N + rch - 1) / rch;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
-        const int64_t n0 = ch * SF_RCH, n1 = n0 + SF_RCH < N ? n0 + SF_RCH : N;
+        const int64_t n0 = ch * rch, n1 = n0 + rch < N ? n0 + rch : N;
         sf_far_chunk(W, row_bytes, n0, n1, M);
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
@@ -63,6 +64,13 @@ _Thread_local uintptr_t sf_far_end = UINTPTR_MAX;
 void specfleet_set_prefetch_far(int64_t one_row, int64_t many_rows) {
     if (one_row >= 0 && one_row <= (1 << 20)) sf_prefetch_far[0] = one_row;
     if (many_rows >= 0 && many_rows <= (1 << 20)) sf_prefetch_far[1] = many_rows;
+}
+
+/* Set how many bytes of weight rows a one-row product's chunks hold at least (q_common.h sf_chunk_rows; 0: SF_RCH
+ * rows), negative keeps it. Which thread reads a weight row changes no result. */
+int64_t sf_chunk_bytes = 0;
+void specfleet_set_chunk_bytes(int64_t bytes) {
+    if (bytes >= 0 && bytes <= (1 << 24)) sf_chunk_bytes = bytes;
 }
 
 /* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h), and the
