@@ -19,8 +19,7 @@ one=, many=, grouped= (the distance for weight rows in pairs and fours), l2= (1:
 group= and act= (the activation bytes above which 2 or more rows go in groups; 0: never), far= and farmany= (a
 second prefetch into L2 only, further ahead, for one row and for more: `specfleet_set_prefetch_far`; 0: none),
 chunk= (the fewest bytes of weight rows a one-row product hands a thread at once: `specfleet_set_chunk_bytes`; 0: 64
-rows);
-what a setting leaves out is the setting in effect, printed.
+rows); what a setting leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
     .venv/bin/python benchmarks/kernels/prefetch.py --settings l2=0,grouped=4096,act=0 l2=1,grouped=16384,act=16384
@@ -58,9 +57,10 @@ def setting(text: str) -> dict:
             f"a setting is ONE_ROW,MANY_ROWS[,GROUP_ROWS] or keys {KEYS}: {text}") from None
     if set(out) - set(KEYS):
         raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(out) - set(KEYS))} in {text} (known: {KEYS})")
-    if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped", "far", "farmany") if k in out) or \
-            not 0 <= out.get("chunk", 0) <= 1 << 24:
+    if any(not 0 <= out[k] <= 1 << 20 for k in ("one", "many", "grouped", "far", "farmany") if k in out):
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
+    if not 0 <= out.get("chunk", 0) <= 1 << 24:
+        raise argparse.ArgumentTypeError(f"chunk must lie in [0, {1 << 24}] bytes: {text}")
     if (out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20
             or not 0 <= out.get("act", 0) <= 1 << 30):
         raise argparse.ArgumentTypeError(f"l2 is 0 or 1, group in [2, {1 << 20}], act in [0, {1 << 30}]: {text}")
@@ -113,8 +113,8 @@ def main() -> None:
     for s in args.settings:
         med = {n: statistics.median(times[(s, n)]) for n in ROWS}
         table.append({"one_row_bytes": s[0], "many_rows_bytes": s[1], "grouped_bytes": s[2], "into_l2": s[3],
-                      "group_rows": s[4], "group_act_bytes": s[5], "far_one_row_bytes": s[6], "far_many_rows_bytes": s[7],
-                      "one_row_chunk_bytes": s[8],
+                      "group_rows": s[4], "group_act_bytes": s[5], "far_one_row_bytes": s[6],
+                      "far_many_rows_bytes": s[7], "one_row_chunk_bytes": s[8],
                       **{f"ms_{n}": 1e3 * med[n] for n in ROWS},
                       **{f"c({n - 1})": med[n] / med[1] for n in ROWS[1:]}})
         print("one={},many={},grouped={},l2={},group={},act={},far={},farmany={},chunk={} ".format(*s)

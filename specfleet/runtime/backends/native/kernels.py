@@ -219,12 +219,8 @@ def prefetch_far_setting(path: str, vendor: str | None = None,
     """(one row, more rows) far prefetch distances into L2 for ISA path `path` on this CPU: SPECFLEET_PREFETCH_FAR
     ("ONE,MANY" in bytes, 0 for none) where set, else PREFETCH_FAR_AMX_XEON on an Intel CPU with AMX running a
     512-bit path; None keeps the compiled default (none)."""
-    env = os.environ.get("SPECFLEET_PREFETCH_FAR", "").strip()
+    env, values = _env_ints("SPECFLEET_PREFETCH_FAR")
     if env:
-        try:
-            values = [int(v) for v in env.split(",")]
-        except ValueError:
-            values = []
         if len(values) != 2 or not all(0 <= v <= 1 << 20 for v in values):
             raise ValueError(f"SPECFLEET_PREFETCH_FAR={env!r}: expected ONE_ROW,MANY_ROWS, byte counts in "
                              f"[0, {1 << 20}] (0: none)")
@@ -245,16 +241,22 @@ def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[s
     """The fewest bytes of a one-row product's chunks for ISA path `path` on this CPU: SPECFLEET_CHUNK_BYTES (0: 64
     rows) where set, else CHUNK_BYTES_AMX_XEON on an Intel CPU with AMX running a 512-bit path; None keeps the
     compiled default (64 rows)."""
-    env = os.environ.get("SPECFLEET_CHUNK_BYTES", "").strip()
+    env, values = _env_ints("SPECFLEET_CHUNK_BYTES")
     if env:
-        try:
-            value = int(env)
-        except ValueError:
-            value = -1
-        if not 0 <= value <= 1 << 24:
+        if len(values) != 1 or not 0 <= values[0] <= 1 << 24:
             raise ValueError(f"SPECFLEET_CHUNK_BYTES={env!r}: expected a byte count in [0, {1 << 24}] (0: 64 rows)")
-        return value
+        return values[0]
     return CHUNK_BYTES_AMX_XEON if _amx_xeon(path, vendor, flags) else None
+
+
+def _env_ints(name: str) -> tuple[str, list[int]]:
+    """An override's text (stripped; "" where unset) and its comma-separated integers ([] where any is not one), for
+    the setting functions to check and name in their errors."""
+    env = os.environ.get(name, "").strip()
+    try:
+        return env, [int(v) for v in env.split(",")] if env else []
+    except ValueError:
+        return env, []
 
 
 def _amx_xeon(path: str, vendor: str | None, flags: frozenset[str] | None) -> bool:
@@ -280,12 +282,8 @@ def prefetch_setting(path: str, vendor: str | None = None,
     """(one row, more rows, weight rows in groups, into L2) prefetch settings for ISA path `path` on this CPU:
     SPECFLEET_PREFETCH ("ONE,MANY" or "ONE,MANY,GROUPED,L2"; -1 keeps the compiled value) where set, else PREFETCH's
     entry for the path and the CPU's vendor and family; None keeps the compiled default."""
-    env = os.environ.get("SPECFLEET_PREFETCH", "").strip()
+    env, values = _env_ints("SPECFLEET_PREFETCH")
     if env:
-        try:
-            values = [int(v) for v in env.split(",")]
-        except ValueError:
-            values = []
         if len(values) not in (2, 4):
             raise ValueError(f"SPECFLEET_PREFETCH={env!r}: expected ONE_ROW,MANY_ROWS[,GROUPED,L2]: byte counts and "
                              "0 or 1 for L2")
@@ -299,12 +297,8 @@ def group_rows_setting(path: str, vendor: str | None = None, family: int | None 
     """(the fewest activation rows for which weight rows go in pairs and fours, the activation bytes above which
     fewer rows do) on ISA path `path` on this CPU: SPECFLEET_GROUP_ROWS ("ROWS" or "ROWS,BYTES", ROWS >= 2, BYTES 0
     for never) where set, else GROUP_ROWS' entry; None keeps the compiled default (2, never)."""
-    env = os.environ.get("SPECFLEET_GROUP_ROWS", "").strip()
+    env, values = _env_ints("SPECFLEET_GROUP_ROWS")
     if env:
-        try:
-            values = [int(v) for v in env.split(",")]
-        except ValueError:
-            values = []
         if len(values) not in (1, 2):
             raise ValueError(f"SPECFLEET_GROUP_ROWS={env!r}: expected a number of activation rows (>= 2)[,BYTES]")
         if not 2 <= values[0] <= 1 << 20 or (len(values) == 2 and not 0 <= values[1] <= 1 << 30):
@@ -320,34 +314,19 @@ def _load(path: str) -> ctypes.CDLL:
     if not _pinnable(path):
         raise RuntimeError(f"this CPU cannot run the {path} kernels")
     lib = build(path)
-    try:
-        setting = prefetch_setting(path)
-    except ValueError as e:  # a bad override costs speed only: keep the kernels, say what was wrong
-        log.warning("%s; keeping the compiled prefetch distances", e)
-        setting = None
-    if setting is not None:
-        lib.specfleet_set_prefetch(*setting)
-    try:
-        far = prefetch_far_setting(path)
-    except ValueError as e:
-        log.warning("%s; keeping the compiled far prefetch (none)", e)
-        far = None
-    if far is not None:
-        lib.specfleet_set_prefetch_far(*far)
-    try:
-        chunk = chunk_bytes_setting(path)
-    except ValueError as e:
-        log.warning("%s; keeping the compiled chunks (64 rows)", e)
-        chunk = None
-    if chunk is not None:
-        lib.specfleet_set_chunk_bytes(chunk)
-    try:
-        rows = group_rows_setting(path)
-    except ValueError as e:
-        log.warning("%s; keeping the compiled grouping", e)
-        rows = None
-    if rows is not None:
-        lib.specfleet_set_grouping(*rows)
+    for setting, apply, kept in ((prefetch_setting, lib.specfleet_set_prefetch, "prefetch distances"),
+                                 (prefetch_far_setting, lib.specfleet_set_prefetch_far, "far prefetch (none)"),
+                                 (chunk_bytes_setting, lib.specfleet_set_chunk_bytes, "chunks (64 rows)"),
+                                 (group_rows_setting, lib.specfleet_set_grouping, "grouping")):
+        try:
+            value = setting(path)
+        except ValueError as e:  # a bad override costs speed only: keep the kernels, say what was wrong
+            log.warning("%s; keeping the compiled %s", e, kept)
+            continue
+        if isinstance(value, int):
+            value = (value,)
+        if value is not None:
+            apply(*value)
     return lib
 
 
@@ -355,8 +334,8 @@ def tuning(path: str | None = None) -> dict | None:
     """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
     distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the far distances into
     L2 (one row, more rows; 0: none), the fewest bytes of a one-row product's chunks (0: 64 rows), the fewest rows
-    that go in weight-row groups and the activation bytes above which
-    fewer do (0: never); None where it is not loaded."""
+    that go in weight-row groups and the activation bytes above which fewer do (0: never); None where it is not
+    loaded."""
     lib = library(path)
     if lib is None:
         return None
