@@ -22,6 +22,7 @@ chunk= (the fewest bytes of weight rows a one-row product hands a thread at once
 rows); what a setting leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
+    .venv/bin/python benchmarks/kernels/prefetch.py --model qwen-0.5b --quantization q4_0 --settings chunk=0 chunk=524288
     .venv/bin/python benchmarks/kernels/prefetch.py --settings l2=0,grouped=4096,act=0 l2=1,grouped=16384,act=16384
 """
 from __future__ import annotations
@@ -81,6 +82,10 @@ def main() -> None:
                     default=[{"many": 4096}, {"many": 8192}, {"many": 16384}, {"one": 16384, "many": 16384}],
                     help="ONE_ROW,MANY_ROWS prefetch distances in bytes[,GROUP_ROWS], or keys " + ", ".join(KEYS))
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--model", default=None, help="time this model's forward instead of the default target's "
+                    "(a registered name or a path)")
+    ap.add_argument("--quantization", default="auto",
+                    help="its weights' format, as LLM(quantization=...): auto, q4_0, q8_0, q4_k (the draft's q4_0)")
     args = ap.parse_args()
     from specfleet import LLM
 
@@ -89,7 +94,8 @@ def main() -> None:
         raise SystemExit(f"the native kernels are unavailable here ({native_backend.unavailable_reason()})")
     now = native_backend.tuning()
     args.settings = list(dict.fromkeys(full(s, now) for s in args.settings))
-    llm = LLM(draft="none")
+    llm = LLM(draft="none", quantization=args.quantization) if args.model is None else \
+        LLM(args.model, draft="none", quantization=args.quantization)
     engine = llm.engine
     ids = _tokens([llm.tokenizer.encode(PROMPT)], CONTEXT + max(ROWS))
     rid = "__prefetch__"
@@ -123,13 +129,14 @@ def main() -> None:
     cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
             "far_one_row_bytes", "far_many_rows_bytes", "one_row_chunk_bytes",
             *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
-    body = (f"The default target's forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
+    body = (f"{'The default target' if args.model is None else args.model}'s forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
             "rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups, "
             "the activation bytes from which 2 rows group, the far distances into L2 for one row and more, and the "
             "bytes of a one-row product's chunks), "
             f"kernel ISA path {native_backend.isa()}; settings alternate in every round, medians of {args.rounds} "
             "rounds.\n\n" + md_table(table, cols))
-    payload = {"args": {"settings": args.settings, "rounds": args.rounds}, "kernel_isa": native_backend.isa(),
+    payload = {"args": {"settings": args.settings, "rounds": args.rounds, "model": args.model or "default",
+                        "quantization": args.quantization}, "kernel_isa": native_backend.isa(),
                "rows": ROWS, "times_s": {",".join(map(str, s)): {n: times[(s, n)] for n in ROWS} for s in args.settings},
                "table": table, "timestamp": time.time()}
     print(write_results("prefetch", payload, body, device="cpu", dtype="gguf blocks"))
