@@ -212,20 +212,27 @@ GROUP_ROWS: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni",
 # prefetch.py far= farmany=, benchmarks/RESULTS.md, session 48). Measured on that CPU only, so it is keyed to Intel
 # CPUs with the tile unit (the `amx_tile` flag: Sapphire Rapids and later), on the 512-bit paths.
 PREFETCH_FAR_AMX_XEON = (12288, 12288)
+# Elsewhere keyed as PREFETCH. On a Zen 5 (AMD family 26, 48 KB L1, 1 MB L2, 2 vCPUs) a second prefetch for more
+# rows only, 6 KB ahead (nearer than the 16 KB of the L1 prefetch: it asks again, into L2, for lines whose L1
+# prefetch was dropped while the fill buffers were full), made the 1.5B's 5- to 9-row forwards 7-12 % faster in two
+# runs of 60 rounds; 4, 8, 12 and 24 KB helped less; for one row it made decode no faster (session 49).
+PREFETCH_FAR: dict[tuple[str, str, int | None], tuple[int, int]] = {("avx512vnni", "AuthenticAMD", 26): (0, 6144)}
 
 
-def prefetch_far_setting(path: str, vendor: str | None = None,
-                         flags: frozenset[str] | None = None) -> tuple[int, int] | None:
+def prefetch_far_setting(path: str, vendor: str | None = None, flags: frozenset[str] | None = None,
+                         family: int | None = None) -> tuple[int, int] | None:
     """(one row, more rows) far prefetch distances into L2 for ISA path `path` on this CPU: SPECFLEET_PREFETCH_FAR
     ("ONE,MANY" in bytes, 0 for none) where set, else PREFETCH_FAR_AMX_XEON on an Intel CPU with AMX running a
-    512-bit path; None keeps the compiled default (none)."""
+    512-bit path, else PREFETCH_FAR's entry for the path, vendor and family; None keeps the compiled default (none)."""
     env, values = _env_ints("SPECFLEET_PREFETCH_FAR")
     if env:
         if len(values) != 2 or not all(0 <= v <= 1 << 20 for v in values):
             raise ValueError(f"SPECFLEET_PREFETCH_FAR={env!r}: expected ONE_ROW,MANY_ROWS, byte counts in "
                              f"[0, {1 << 20}] (0: none)")
         return values[0], values[1]
-    return PREFETCH_FAR_AMX_XEON if _amx_xeon(path, vendor, flags) else None
+    if _amx_xeon(path, vendor, flags):
+        return PREFETCH_FAR_AMX_XEON
+    return _tuned(PREFETCH_FAR, path, vendor, family)
 
 
 # The fewest bytes of weight rows a one-row product (decode) hands a thread at once (csrc/q_common.h sf_chunk_rows;
@@ -235,18 +242,25 @@ def prefetch_far_setting(path: str, vendor: str | None = None,
 # and 6 %, 512 KB slower for the 0.5B; benchmarks/kernels/prefetch.py chunk=, benchmarks/RESULTS.md, session 48). Keyed
 # as the far prefetch, with which it was measured.
 CHUNK_BYTES_AMX_XEON = 131072
+# Elsewhere keyed as PREFETCH. On a Zen 5 (AMD family 26) 256 KB made the 1.5B's one-row forward 7 % faster (26.9 ->
+# 25.0 ms; 128 KB 5 %, 512 KB-2 MB level with 256 KB) and the requantized Q4_0 0.5B's 13 % (10.1 -> 8.8 ms; 512 KB the
+# same), without the far prefetch for one row (session 49).
+CHUNK_BYTES: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 26): 262144}
 
 
-def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[str] | None = None) -> int | None:
+def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[str] | None = None,
+                        family: int | None = None) -> int | None:
     """The fewest bytes of a one-row product's chunks for ISA path `path` on this CPU: SPECFLEET_CHUNK_BYTES (0: 64
-    rows) where set, else CHUNK_BYTES_AMX_XEON on an Intel CPU with AMX running a 512-bit path; None keeps the
-    compiled default (64 rows)."""
+    rows) where set, else CHUNK_BYTES_AMX_XEON on an Intel CPU with AMX running a 512-bit path, else CHUNK_BYTES'
+    entry for the path, vendor and family; None keeps the compiled default (64 rows)."""
     env, values = _env_ints("SPECFLEET_CHUNK_BYTES")
     if env:
         if len(values) != 1 or not 0 <= values[0] <= 1 << 24:
             raise ValueError(f"SPECFLEET_CHUNK_BYTES={env!r}: expected a byte count in [0, {1 << 24}] (0: 64 rows)")
         return values[0]
-    return CHUNK_BYTES_AMX_XEON if _amx_xeon(path, vendor, flags) else None
+    if _amx_xeon(path, vendor, flags):
+        return CHUNK_BYTES_AMX_XEON
+    return _tuned(CHUNK_BYTES, path, vendor, family)
 
 
 def _env_ints(name: str) -> tuple[str, list[int]]:

@@ -286,7 +286,8 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
 
 def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
     """The second prefetch into L2 (speed only; the bits are checked with it on above): 12 KB ahead for one row and for
-    more on an Intel CPU with the tile unit running a 512-bit path, none elsewhere (the compiled default), unless
+    more on an Intel CPU with the tile unit running a 512-bit path, 6 KB for more rows on a Zen 5's 512-bit path, none
+    elsewhere (the compiled default), unless
     SPECFLEET_PREFETCH_FAR overrides; a malformed override is named and ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_PREFETCH_FAR", raising=False)
     amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"})
@@ -294,7 +295,11 @@ def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
     assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", amx_xeon) == (12288, 12288)
     assert native_backend.prefetch_far_setting("avx2", "GenuineIntel", amx_xeon) is None
     assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", amx_xeon - {"amx_tile"}) is None
-    assert native_backend.prefetch_far_setting("avx512vnni", "AuthenticAMD", amx_xeon) is None
+    assert native_backend.prefetch_far_setting("avx512vnni", "AuthenticAMD", amx_xeon, 25) is None
+    # a Zen 5 (AMD family 26) on the 512-bit path: for more rows only, 6 KB ahead; its AVX2 path keeps none
+    assert native_backend.prefetch_far_setting("avx512vnni", "AuthenticAMD", frozenset(), 26) == (0, 6144)
+    assert native_backend.prefetch_far_setting("avx2", "AuthenticAMD", frozenset(), 26) is None
+    assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", frozenset(), 26) is None
     monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", "0,8192")
     assert native_backend.prefetch_far_setting("avx2", "AuthenticAMD", frozenset()) == (0, 8192)
     for bad in ("8192", "a,b", "1,-1", "1,9999999", "1,2,3"):
@@ -320,13 +325,15 @@ def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
 
 def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
     """How many bytes of weight rows a one-row product hands a thread at once (speed only): 128 KB on an Intel CPU
-    with the tile unit running a 512-bit path, else 64 rows (the compiled default), unless SPECFLEET_CHUNK_BYTES
+    with the tile unit running a 512-bit path, 256 KB on a Zen 5's, else 64 rows (the compiled default), unless SPECFLEET_CHUNK_BYTES
     overrides; a malformed override is named and ignored. And whatever the chunks, every output keeps its bits."""
     monkeypatch.delenv("SPECFLEET_CHUNK_BYTES", raising=False)
     amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile"})
     assert native_backend.chunk_bytes_setting("amx", "GenuineIntel", amx_xeon) == 131072
     assert native_backend.chunk_bytes_setting("avx2", "GenuineIntel", amx_xeon) is None
-    assert native_backend.chunk_bytes_setting("avx512vnni", "AuthenticAMD", amx_xeon) is None
+    assert native_backend.chunk_bytes_setting("avx512vnni", "AuthenticAMD", amx_xeon, 25) is None
+    assert native_backend.chunk_bytes_setting("avx512vnni", "AuthenticAMD", frozenset(), 26) == 262144  # a Zen 5
+    assert native_backend.chunk_bytes_setting("avx2", "AuthenticAMD", frozenset(), 26) is None
     monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", "0")
     assert native_backend.chunk_bytes_setting("avx2", "AuthenticAMD", frozenset()) == 0
     for bad in ("x", "-1", str(1 << 25), "1,2"):
