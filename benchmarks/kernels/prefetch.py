@@ -19,7 +19,8 @@ one=, many=, grouped= (the distance for weight rows in pairs and fours), l2= (1:
 group= and act= (the activation bytes above which 2 or more rows go in groups; 0: never), far= and farmany= (a
 second prefetch into L2 only, further ahead, for one row and for more: `specfleet_set_prefetch_far`; 0: none),
 chunk= (the fewest bytes of weight rows a one-row product hands a thread at once: `specfleet_set_chunk_bytes`; 0: 64
-rows); what a setting leaves out is the setting in effect, printed.
+rows), sched= (1: threads take chunks in guided runs, 0: one at a time: `specfleet_set_schedule`); what a setting
+leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
     .venv/bin/python benchmarks/kernels/prefetch.py --model qwen-0.5b --quantization q4_0 --settings chunk=0 chunk=524288
@@ -39,7 +40,7 @@ ROWS = (1, 2, 3, 5, 6, 7, 9)  # 6-7: a tree of 5-6 nodes and its root, the one-s
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
 
 
-KEYS = ("one", "many", "grouped", "l2", "group", "act", "far", "farmany", "chunk")
+KEYS = ("one", "many", "grouped", "l2", "group", "act", "far", "farmany", "chunk", "sched")
 
 
 def setting(text: str) -> dict:
@@ -62,18 +63,21 @@ def setting(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
     if not 0 <= out.get("chunk", 0) <= 1 << 24:
         raise argparse.ArgumentTypeError(f"chunk must lie in [0, {1 << 24}] bytes: {text}")
+    if out.get("sched", 0) not in (0, 1):
+        raise argparse.ArgumentTypeError(f"sched is 0 (one chunk at a time) or 1 (guided runs): {text}")
     if (out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20
             or not 0 <= out.get("act", 0) <= 1 << 30):
         raise argparse.ArgumentTypeError(f"l2 is 0 or 1, group in [2, {1 << 20}], act in [0, {1 << 30}]: {text}")
     return out
 
 
-def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int, int, int, int]:
+def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int, int, int, int, int]:
     """a setting with what it leaves out taken from the settings in effect (`native_backend.tuning()`)"""
     pf, far = now["prefetch_bytes"], now["prefetch_far"]
     return (s.get("one", pf[0]), s.get("many", pf[1]), s.get("grouped", pf[2]), s.get("l2", int(now["prefetch_l2"])),
             s.get("group", now["group_min_rows"]), s.get("act", now["group_act_bytes"]), s.get("far", far[0]),
-            s.get("farmany", far[1]), s.get("chunk", now["chunk_bytes"]))
+            s.get("farmany", far[1]), s.get("chunk", now["chunk_bytes"]),
+            s.get("sched", int(now["schedule"] == "guided")))
 
 
 def main() -> None:
@@ -109,6 +113,7 @@ def main() -> None:
                 lib.specfleet_set_grouping(*s[4:6])
                 lib.specfleet_set_prefetch_far(*s[6:8])
                 lib.specfleet_set_chunk_bytes(s[8])
+                lib.specfleet_set_schedule(s[9])
                 for _ in range(2):  # the steady state of decoding under this setting
                     _run(engine, rid, ids[CONTEXT:CONTEXT + 1], CONTEXT, True)
                 for n in ROWS:
@@ -120,19 +125,19 @@ def main() -> None:
         med = {n: statistics.median(times[(s, n)]) for n in ROWS}
         table.append({"one_row_bytes": s[0], "many_rows_bytes": s[1], "grouped_bytes": s[2], "into_l2": s[3],
                       "group_rows": s[4], "group_act_bytes": s[5], "far_one_row_bytes": s[6],
-                      "far_many_rows_bytes": s[7], "one_row_chunk_bytes": s[8],
+                      "far_many_rows_bytes": s[7], "one_row_chunk_bytes": s[8], "guided": s[9],
                       **{f"ms_{n}": 1e3 * med[n] for n in ROWS},
                       **{f"c({n - 1})": med[n] / med[1] for n in ROWS[1:]}})
-        print("one={},many={},grouped={},l2={},group={},act={},far={},farmany={},chunk={} ".format(*s)
+        print("one={},many={},grouped={},l2={},group={},act={},far={},farmany={},chunk={},sched={} ".format(*s)
               + " ".join(f"{n}:{1e3 * med[n]:6.2f} ms" for n in ROWS)
               + "  c: " + " ".join(f"{med[n] / med[1]:.2f}" for n in ROWS[1:]), flush=True)
     cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
-            "far_one_row_bytes", "far_many_rows_bytes", "one_row_chunk_bytes",
+            "far_one_row_bytes", "far_many_rows_bytes", "one_row_chunk_bytes", "guided",
             *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
     body = (f"{'The default target' if args.model is None else args.model}'s forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
             "rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups, "
-            "the activation bytes from which 2 rows group, the far distances into L2 for one row and more, and the "
-            "bytes of a one-row product's chunks), "
+            "the activation bytes from which 2 rows group, the far distances into L2 for one row and more, the "
+            "bytes of a one-row product's chunks, and whether threads take chunks in guided runs), "
             f"kernel ISA path {native_backend.isa()}; settings alternate in every round, medians of {args.rounds} "
             "rounds.\n\n" + md_table(table, cols))
     payload = {"args": {"settings": args.settings, "rounds": args.rounds, "model": args.model or "default",

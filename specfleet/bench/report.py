@@ -124,7 +124,8 @@ def _tuning_text(t: dict | None) -> str:
     act = t.get("group_act_bytes", 0)
     far = t.get("prefetch_far") or [0, 0]
     more = (f", then {far[0]}/{far[1]} B into L2" if any(far) else "") + (
-        f", one-row chunks of {t['chunk_bytes']} B" if t.get("chunk_bytes") else "")
+        f", one-row chunks of {t['chunk_bytes']} B" if t.get("chunk_bytes") else "") + (
+        ", chunks handed out in guided runs" if t.get("schedule") == "guided" else "")
     return (f", prefetch {pf} B{' (more rows into L2)' if t.get('prefetch_l2') else ''}{more}, weight-row groups from "
             f"{t['group_min_rows']} rows{f' (from 2 past {act} B of activations)' if act else ''}")
 

@@ -81,8 +81,8 @@ def flags(path: str) -> list[str]:
 # 3: the K formats in the kernels' interleaved order (pack_k); 4: attention reads a key plan; 5: ISA paths;
 # 6: the bf16 linear in the same library; 7: Q4_0, Q5_0 and Q8_0 in groups of eight blocks (g32_pack);
 # 8: specfleet_set_prefetch; 9: specfleet_set_grouping; 10: a distance for weight rows in groups, prefetches into L2,
-# grouping by the activations' size; 11: specfleet_set_prefetch_far, specfleet_set_chunk_bytes
-ABI = 11
+# grouping by the activations' size; 11: specfleet_set_prefetch_far, specfleet_set_chunk_bytes; 12: specfleet_set_schedule
+ABI = 12
 # input transforms of specfleet_q_linear_fused (csrc/fused_linear.c): none, RMSNorm with a weight, SiLU(gate) * up
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
 
@@ -113,6 +113,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "specfleet_set_grouping": ([_i64, _i64], None),
     "specfleet_set_prefetch_far": ([_i64, _i64], None),
     "specfleet_set_chunk_bytes": ([_i64], None),
+    "specfleet_set_schedule": ([_i64], None),
     "specfleet_q_linear": ([_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "specfleet_q_act_row_bytes": ([_int, _i64], _i64),
     "specfleet_q_linear_fused": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64], _int),
@@ -263,6 +264,29 @@ def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[s
     return _tuned(CHUNK_BYTES, path, vendor, family)
 
 
+# How the products hand their chunks of weight rows to threads (csrc/q_common.h sf_schedule_guided): 1 guided (a
+# thread takes a run of consecutive chunks, half of what is left over the threads, then shorter runs), 0 one chunk at a
+# time (the compiled default). Handed one at a time, the two threads of a 2-core machine alternate chunks, each jumping
+# over the other's rows, and what a thread prefetches past its chunk is the other's. On a Zen 5 (AMD family 26, 2
+# vCPUs) guided made the 1.5B's one-row forward 11 % faster (22.7 -> 20.3 ms, with 256 KB chunks), 5 rows 14 % and 9
+# rows 17 %, and the Q4_0 0.5B's one-row forward 5 % (8.0 -> 7.6 ms); a static split was level with guided (session
+# 49). Measured there only, so keyed as PREFETCH; SPECFLEET_SCHEDULE ("guided" or "dynamic") overrides.
+SCHEDULE: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 26): 1}
+SCHEDULES = {"dynamic": 0, "guided": 1}
+
+
+def schedule_setting(path: str, vendor: str | None = None, family: int | None = None) -> int | None:
+    """1 where the products hand out their chunks in guided runs for ISA path `path` on this CPU, 0 one at a time:
+    SPECFLEET_SCHEDULE ("guided" or "dynamic") where set, else SCHEDULE's entry; None keeps the compiled default (one
+    at a time)."""
+    env = os.environ.get("SPECFLEET_SCHEDULE", "").strip()
+    if env:
+        if env.lower() not in SCHEDULES:
+            raise ValueError(f"SPECFLEET_SCHEDULE={env!r}: expected one of {', '.join(SCHEDULES)}")
+        return SCHEDULES[env.lower()]
+    return _tuned(SCHEDULE, path, vendor, family)
+
+
 def _env_ints(name: str) -> tuple[str, list[int]]:
     """An override's text (stripped; "" where unset) and its comma-separated integers ([] where any is not one), for
     the setting functions to check and name in their errors."""
@@ -331,6 +355,7 @@ def _load(path: str) -> ctypes.CDLL:
     for setting, apply, kept in ((prefetch_setting, lib.specfleet_set_prefetch, "prefetch distances"),
                                  (prefetch_far_setting, lib.specfleet_set_prefetch_far, "far prefetch (none)"),
                                  (chunk_bytes_setting, lib.specfleet_set_chunk_bytes, "chunks (64 rows)"),
+                                 (schedule_setting, lib.specfleet_set_schedule, "schedule (one chunk at a time)"),
                                  (group_rows_setting, lib.specfleet_set_grouping, "grouping")):
         try:
             value = setting(path)
@@ -347,7 +372,8 @@ def _load(path: str) -> ctypes.CDLL:
 def tuning(path: str | None = None) -> dict | None:
     """The speed settings in effect in ISA path `path`'s loaded library (default: the one in use): prefetch
     distances (one row, more rows, weight rows in groups), whether more rows prefetch into L2, the far distances into
-    L2 (one row, more rows; 0: none), the fewest bytes of a one-row product's chunks (0: 64 rows), the fewest rows
+    L2 (one row, more rows; 0: none), the fewest bytes of a one-row product's chunks (0: 64 rows), how chunks are
+    handed to threads ("dynamic": one at a time, "guided": in runs), the fewest rows
     that go in weight-row groups and the activation bytes above which fewer do (0: never); None where it is not
     loaded."""
     lib = library(path)
@@ -357,6 +383,7 @@ def tuning(path: str | None = None) -> dict | None:
             "prefetch_l2": bool(ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value),
             "prefetch_far": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_far")),
             "chunk_bytes": ctypes.c_int64.in_dll(lib, "sf_chunk_bytes").value,
+            "schedule": "guided" if ctypes.c_int64.in_dll(lib, "sf_schedule_guided").value else "dynamic",
             "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value,
             "group_act_bytes": ctypes.c_int64.in_dll(lib, "sf_group_act_bytes").value}
 

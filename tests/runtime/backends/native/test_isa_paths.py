@@ -361,6 +361,60 @@ def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
         lib.specfleet_set_chunk_bytes(before)
 
 
+def test_guided_schedule_on_a_zen5_and_override(monkeypatch, caplog):
+    """How the products hand their chunks to threads (speed only): in guided runs on a Zen 5's 512-bit path (AMD family
+    26), else one at a time (the compiled default), unless SPECFLEET_SCHEDULE overrides; a bad override is named and
+    ignored. And either way, on two threads, every output of a plain and a fused product keeps its bits, for one
+    activation row and for several."""
+    monkeypatch.delenv("SPECFLEET_SCHEDULE", raising=False)
+    assert native_backend.schedule_setting("avx512vnni", "AuthenticAMD", 26) == 1
+    assert native_backend.schedule_setting("amx", "AuthenticAMD", 26) == 1  # `amx` is tuned as avx512vnni
+    assert native_backend.schedule_setting("avx512vnni", "AuthenticAMD", 25) is None
+    assert native_backend.schedule_setting("avx2", "AuthenticAMD", 26) is None
+    assert native_backend.schedule_setting("avx512vnni", "GenuineIntel", 6) is None
+    for text, want in (("guided", 1), (" Dynamic ", 0)):
+        monkeypatch.setenv("SPECFLEET_SCHEDULE", text)
+        assert native_backend.schedule_setting("avx2", "GenuineIntel", 6) == want
+    for bad in ("static", "1", "guided,1"):
+        monkeypatch.setenv("SPECFLEET_SCHEDULE", bad)
+        with pytest.raises(ValueError, match="SPECFLEET_SCHEDULE"):
+            native_backend.schedule_setting("avx2")
+    lib = native_backend.library()
+    if lib is None:
+        pytest.skip("no native kernels here")
+    before = native_backend.tuning()
+    threads = torch.get_num_threads()
+    torch.manual_seed(6)
+    w = random_blocks(T.Q4_K, 1000, 512, seed=6)  # 16 chunks of 64 rows: guided runs of 8, 4, 2, 1, 1 on 2 threads
+    w0 = random_blocks(T.Q4_0, 700, 512, seed=7)
+    parts = [(w, None), (w0, None)]
+    arr = fused_parts(parts)
+    x = torch.randn(5, 512)
+
+    def fused(m):
+        return run_fused(lib, arr, 2, 512, x[:m], torch.empty(m, 1700))
+
+    try:
+        torch.set_num_threads(2)
+        lib.specfleet_set_chunk_bytes(0)
+        lib.specfleet_set_schedule(0)
+        want = [run_qlinear(lib, x[:m], w) for m in (1, 5)] + [fused(m) for m in (1, 5)]
+        for chunk in (0, 65536):
+            lib.specfleet_set_chunk_bytes(chunk)
+            lib.specfleet_set_schedule(1)
+            assert native_backend.tuning()["schedule"] == "guided"
+            got = [run_qlinear(lib, x[:m], w) for m in (1, 5)] + [fused(m) for m in (1, 5)]
+            for g, e in zip(got, want):
+                assert torch.equal(g, e), chunk
+        monkeypatch.setenv("SPECFLEET_SCHEDULE", "oops")
+        assert native_backend._load(native_backend.isa()) is not None
+        assert "keeping the compiled schedule" in caplog.text
+    finally:
+        torch.set_num_threads(threads)
+        lib.specfleet_set_chunk_bytes(before["chunk_bytes"])
+        lib.specfleet_set_schedule(int(before["schedule"] == "guided"))
+
+
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
     """From how many activation rows weight rows go in pairs and fours, and past how many bytes of activations from 2
     rows (speed only; the bits are checked all ways above): the compiled 2 and never unless GROUP_ROWS names the

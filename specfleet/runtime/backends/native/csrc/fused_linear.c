@@ -85,7 +85,8 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
         return -2;
     }
     const int64_t epoch = sf_new_epoch(), nchunks = start[nparts];
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nchunks > 1)
+    sf_row_schedule();
+#pragma omp parallel for schedule(runtime) num_threads(nt) if (nt > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         int64_t p = 0;
         while (ch >= start[p + 1]) p++;

@@ -22,6 +22,7 @@
  * verified row bit for bit what decoding it alone gives. */
 #ifndef SPECFLEET_Q_COMMON_H
 #define SPECFLEET_Q_COMMON_H
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -105,6 +106,14 @@ ALWAYS_INLINE int64_t sf_chunk_rows(int64_t row_bytes, int64_t M) {
     const int64_t per = SF_RCH * row_bytes;
     return SF_RCH * ((sf_chunk_bytes + per - 1) / per);
 }
+/* How the products' chunks are handed to threads (specfleet_set_schedule; 0 compiled): 0 one chunk at a time
+ * (schedule(dynamic, 1)), 1 guided: a thread takes a run of consecutive chunks, half of what is left over the
+ * threads, then less and less. Handed one at a time, the two threads of a 2-core machine alternate chunks, so each
+ * jumps over the other's rows every chunk and what it prefetched past its chunk is the other's; guided, each streams
+ * long runs of rows and the runs left at the end are short. The drivers set it before every product loop that says
+ * schedule(runtime) (sf_row_schedule). Which thread reads a row changes no result. */
+extern int64_t sf_schedule_guided;
+ALWAYS_INLINE void sf_row_schedule(void) { omp_set_schedule(sf_schedule_guided ? omp_sched_guided : omp_sched_dynamic, 1); }
 #define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */
 #define SF_QUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread: cheaper than a fork and join */
 

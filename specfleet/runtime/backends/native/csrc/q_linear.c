@@ -4,8 +4,9 @@
  * runtime/backends/native/kernels.py; the shared contract is in q_common.h.
  *
  * Work: each row of x is quantized to int8 once per call, on its own (rows in parallel from
- * SF_QUANT_PAR_ROWS of them). Then threads take chunks of SF_RCH weight rows as they come free (a thread
- * that the OS deschedules on a shared machine holds back no fixed share); within a chunk the rows of
+ * SF_QUANT_PAR_ROWS of them). Then threads take chunks of SF_RCH weight rows (one-row products: sf_chunk_rows) as
+ * they come free, one at a time or in guided runs (sf_schedule_guided; a thread that the OS deschedules on a shared
+ * machine holds back no fixed share either way); within a chunk the rows of
  * x go SF_XCHUNK at a time (kept in L2) and each weight row is unpacked once per tile of up to TILE
  * activation rows. Which thread computes an output and which rows share its tile never change how
  * it is computed. */
@@ -32,7 +33,8 @@ int specfleet_q_linear(int type, const uint8_t *W, int64_t row_bytes, int64_t N,
     for (int64_t m = 0; m < M; m++) sf_quantize_act(sf_act_kind(type), x + m * K, K, a + m * arb);
     const int64_t rch = sf_chunk_rows(row_bytes, M);
     const int64_t epoch = sf_new_epoch(), nchunks = (N + rch - 1) / rch;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
+    sf_row_schedule();
+#pragma omp parallel for schedule(runtime) num_threads(num_threads) if (num_threads > 1 && nchunks > 1)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         const int64_t n0 = ch * rch, n1 = n0 + rch < N ? n0 + rch : N;
         sf_far_chunk(W, row_bytes, n0, n1, M);
@@ -73,6 +75,13 @@ void specfleet_set_chunk_bytes(int64_t bytes) {
     if (bytes >= 0 && bytes <= (1 << 24)) sf_chunk_bytes = bytes;
 }
 
+/* Set how the products' chunks are handed to threads (q_common.h sf_schedule_guided): 0 one at a time, 1 guided;
+ * negative keeps it. Which thread reads a weight row changes no result. */
+int64_t sf_schedule_guided = 0;
+void specfleet_set_schedule(int64_t guided) {
+    if (guided >= 0) sf_schedule_guided = guided != 0;
+}
+
 /* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h), and the
  * activation bytes above which fewer rows (from 2) do too (0: never); fewer go row by row. Below 2 means 2,
  * negative bytes keep the value. Changes no result. */
@@ -89,7 +98,7 @@ _Thread_local int64_t sf_call_epoch = 0;
 static int64_t sf_epoch_last = 0;
 int64_t sf_new_epoch(void) { return __atomic_add_fetch(&sf_epoch_last, 1, __ATOMIC_RELAXED); }
 
-int specfleet_q_abi(void) { return 11; } /* runtime/backends/native/kernels.py ABI */
+int specfleet_q_abi(void) { return 12; } /* runtime/backends/native/kernels.py ABI */
 
 /* the ISA path this library was built for (the bodies' sfq_isa_name) */
 const char *specfleet_q_isa(void) { return sfq_isa_name(); }
