@@ -23,7 +23,7 @@ rows), sched= (1: threads take chunks in guided runs, 0: one at a time: `specfle
 leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
-    .venv/bin/python benchmarks/kernels/prefetch.py --model qwen-0.5b --quantization q4_0 --settings chunk=0 chunk=524288
+    .venv/bin/python benchmarks/kernels/prefetch.py --model qwen-0.5b --quantization q4_0 --settings chunk=0 chunk=262144
     .venv/bin/python benchmarks/kernels/prefetch.py --settings l2=0,grouped=4096,act=0 l2=1,grouped=16384,act=16384
 """
 from __future__ import annotations
@@ -92,14 +92,14 @@ def main() -> None:
                     help="its weights' format, as LLM(quantization=...): auto, q4_0, q8_0, q4_k (the draft's q4_0)")
     args = ap.parse_args()
     from specfleet import LLM
+    from specfleet.llm import DEFAULT_MODEL
 
     lib = native_backend.library()
     if lib is None:
         raise SystemExit(f"the native kernels are unavailable here ({native_backend.unavailable_reason()})")
     now = native_backend.tuning()
     args.settings = list(dict.fromkeys(full(s, now) for s in args.settings))
-    llm = LLM(draft="none", quantization=args.quantization) if args.model is None else \
-        LLM(args.model, draft="none", quantization=args.quantization)
+    llm = LLM(args.model or DEFAULT_MODEL, draft="none", quantization=args.quantization)
     engine = llm.engine
     ids = _tokens([llm.tokenizer.encode(PROMPT)], CONTEXT + max(ROWS))
     rid = "__prefetch__"
@@ -134,7 +134,8 @@ def main() -> None:
     cols = ["one_row_bytes", "many_rows_bytes", "grouped_bytes", "into_l2", "group_rows", "group_act_bytes",
             "far_one_row_bytes", "far_many_rows_bytes", "one_row_chunk_bytes", "guided",
             *(f"ms_{n}" for n in ROWS), *(f"c({n - 1})" for n in ROWS[1:])]
-    body = (f"{'The default target' if args.model is None else args.model}'s forward ({CONTEXT} cached tokens, every row's logits) at {', '.join(map(str, ROWS))} "
+    body = (f"{args.model or 'The default target'}'s forward ({CONTEXT} cached tokens, every row's logits) at "
+            f"{', '.join(map(str, ROWS))} "
             "rows under each setting (prefetch distances in bytes, into L2, the fewest rows in weight-row groups, "
             "the activation bytes from which 2 rows group, the far distances into L2 for one row and more, the "
             "bytes of a one-row product's chunks, and whether threads take chunks in guided runs), "

@@ -243,6 +243,14 @@ def test_control_a_changed_weight_changes_the_bits():
     assert np.array_equal(a[:, 3].numpy(), b[:, 3].numpy())
 
 
+def _each_refused(monkeypatch, env: str, setting, *bad_values: str) -> None:
+    """Each malformed value of override `env` makes `setting` raise a ValueError that names the variable."""
+    for bad in bad_values:
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            setting("avx2")
+
+
 def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
     """The x86 products' prefetch settings (speed only): the compiled default unless PREFETCH names the path and
     vendor (Intel's 512-bit VNNI path: 4 KB for verification rows, measured on a Cascade Lake; a Zen 4: 16 KB for
@@ -259,10 +267,8 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
     assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192, -1, -1)  # the rest kept
     monkeypatch.setenv("SPECFLEET_PREFETCH", "2048,8192,4096,1")
     assert native_backend.prefetch_setting("avx2", "AuthenticAMD") == (2048, 8192, 4096, 1)
-    for bad in ("8192", "a,b", "1,-1", "1,9999999", "1,2,3", "1,2,3,2"):
-        monkeypatch.setenv("SPECFLEET_PREFETCH", bad)
-        with pytest.raises(ValueError, match="SPECFLEET_PREFETCH"):
-            native_backend.prefetch_setting("avx2")
+    _each_refused(monkeypatch, "SPECFLEET_PREFETCH", native_backend.prefetch_setting,
+                  "8192", "a,b", "1,-1", "1,9999999", "1,2,3", "1,2,3,2")
     paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
     if not paths:
         pytest.skip("no x86 kernel path runs here")
@@ -287,8 +293,8 @@ def test_prefetch_distances_by_vendor_and_override(monkeypatch, caplog):
 def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
     """The second prefetch into L2 (speed only; the bits are checked with it on above): 12 KB ahead for one row and for
     more on an Intel CPU with the tile unit running a 512-bit path, 6 KB for more rows on a Zen 5's 512-bit path, none
-    elsewhere (the compiled default), unless
-    SPECFLEET_PREFETCH_FAR overrides; a malformed override is named and ignored, and the kernels still load."""
+    elsewhere (the compiled default), unless SPECFLEET_PREFETCH_FAR overrides; a malformed override is named and
+    ignored, and the kernels still load."""
     monkeypatch.delenv("SPECFLEET_PREFETCH_FAR", raising=False)
     amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"})
     assert native_backend.prefetch_far_setting("amx", "GenuineIntel", amx_xeon) == (12288, 12288)
@@ -302,10 +308,8 @@ def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
     assert native_backend.prefetch_far_setting("avx512vnni", "GenuineIntel", frozenset(), 26) is None
     monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", "0,8192")
     assert native_backend.prefetch_far_setting("avx2", "AuthenticAMD", frozenset()) == (0, 8192)
-    for bad in ("8192", "a,b", "1,-1", "1,9999999", "1,2,3"):
-        monkeypatch.setenv("SPECFLEET_PREFETCH_FAR", bad)
-        with pytest.raises(ValueError, match="SPECFLEET_PREFETCH_FAR"):
-            native_backend.prefetch_far_setting("avx2")
+    _each_refused(monkeypatch, "SPECFLEET_PREFETCH_FAR", native_backend.prefetch_far_setting,
+                  "8192", "a,b", "1,-1", "1,9999999", "1,2,3")
     paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
     if not paths:
         pytest.skip("no x86 kernel path runs here")
@@ -325,8 +329,9 @@ def test_far_prefetch_on_an_amx_xeon_and_override(monkeypatch, caplog):
 
 def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
     """How many bytes of weight rows a one-row product hands a thread at once (speed only): 128 KB on an Intel CPU
-    with the tile unit running a 512-bit path, 256 KB on a Zen 5's, else 64 rows (the compiled default), unless SPECFLEET_CHUNK_BYTES
-    overrides; a malformed override is named and ignored. And whatever the chunks, every output keeps its bits."""
+    with the tile unit running a 512-bit path, 256 KB on a Zen 5's, else 64 rows (the compiled default), unless
+    SPECFLEET_CHUNK_BYTES overrides; a malformed override is named and ignored. And whatever the chunks, every output
+    keeps its bits."""
     monkeypatch.delenv("SPECFLEET_CHUNK_BYTES", raising=False)
     amx_xeon = frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile"})
     assert native_backend.chunk_bytes_setting("amx", "GenuineIntel", amx_xeon) == 131072
@@ -336,10 +341,8 @@ def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
     assert native_backend.chunk_bytes_setting("avx2", "AuthenticAMD", frozenset(), 26) is None
     monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", "0")
     assert native_backend.chunk_bytes_setting("avx2", "AuthenticAMD", frozenset()) == 0
-    for bad in ("x", "-1", str(1 << 25), "1,2"):
-        monkeypatch.setenv("SPECFLEET_CHUNK_BYTES", bad)
-        with pytest.raises(ValueError, match="SPECFLEET_CHUNK_BYTES"):
-            native_backend.chunk_bytes_setting("avx2")
+    _each_refused(monkeypatch, "SPECFLEET_CHUNK_BYTES", native_backend.chunk_bytes_setting,
+                  "x", "-1", str(1 << 25), "1,2")
     lib = native_backend.library()
     if lib is None:
         pytest.skip("no native kernels here")
@@ -375,10 +378,8 @@ def test_guided_schedule_on_a_zen5_and_override(monkeypatch, caplog):
     for text, want in (("guided", 1), (" Dynamic ", 0)):
         monkeypatch.setenv("SPECFLEET_SCHEDULE", text)
         assert native_backend.schedule_setting("avx2", "GenuineIntel", 6) == want
-    for bad in ("static", "1", "guided,1"):
-        monkeypatch.setenv("SPECFLEET_SCHEDULE", bad)
-        with pytest.raises(ValueError, match="SPECFLEET_SCHEDULE"):
-            native_backend.schedule_setting("avx2")
+    _each_refused(monkeypatch, "SPECFLEET_SCHEDULE", native_backend.schedule_setting,
+                  "static", "1", "guided,1")
     lib = native_backend.library()
     if lib is None:
         pytest.skip("no native kernels here")
@@ -429,10 +430,8 @@ def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):
     assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == (9, -1)  # the bytes kept
     monkeypatch.setenv("SPECFLEET_GROUP_ROWS", "9,4096")
     assert native_backend.group_rows_setting("avx2", "GenuineIntel", 6) == (9, 4096)
-    for bad in ("x", "1", "4,-5", "4,5,6", str(1 << 21)):
-        monkeypatch.setenv("SPECFLEET_GROUP_ROWS", bad)
-        with pytest.raises(ValueError, match="SPECFLEET_GROUP_ROWS"):
-            native_backend.group_rows_setting("avx2")
+    _each_refused(monkeypatch, "SPECFLEET_GROUP_ROWS", native_backend.group_rows_setting,
+                  "x", "1", "4,-5", "4,5,6", str(1 << 21))
     paths = [p for p in native_backend.runnable_isas() if native_backend.FAMILY[p] == "x86"]
     if not paths:
         pytest.skip("no x86 kernel path runs here")
