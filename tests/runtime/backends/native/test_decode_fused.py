@@ -295,3 +295,36 @@ def test_prompt_chunks_give_the_same_cache_however_they_are_split(native_tiny):
         outs.append((torch.cat(hidden), kv.k[1][32:42].clone(), kv.v[1][32:42].clone()))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_layer_loop_bits_do_not_depend_on_the_threads_or_the_rows_of_a_call(native_tiny):
+    """The layer loop runs every layer in one team of threads, with barriers between its products and attention
+    (csrc/layers.c): a 40-token prompt whole (from 32 rows the team prepares activation rows together, fewer each
+    thread for itself) or in chunks of 33 + 1 + 6 rows, on 1, 2 or 3 threads, gives bit for bit the same hidden
+    states and KV cache. A missing barrier or a thread reading another's rows would show here."""
+    from tiny_engines import make_engine
+
+    ids = [(7 * i + 3) % 97 for i in range(40)]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for chunks in ([40], [33, 1, 6]):
+                engine = make_engine(native_tiny)
+                kv = engine.runner.kv
+                hidden, start = [], 0
+                for n in chunks:
+                    seq = SeqAttention(n, start, slice(8, 8 + start + n))
+                    slots = torch.arange(8 + start, 8 + start + n)
+                    hidden.append(native_tiny(torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
+                                              AttentionBatch(slots, [seq]), kv))
+                    start += n
+                outs.append((threads, chunks, torch.cat(hidden), kv.k[1][8:48].clone(), kv.v[1][8:48].clone()))
+    finally:
+        torch.set_num_threads(before)
+    first = outs[0]
+    assert first[2].abs().sum() > 0
+    for threads, chunks, *tensors in outs[1:]:
+        for a, b in zip(first[2:], tensors):
+            assert torch.equal(a, b), (threads, chunks)

@@ -14,7 +14,86 @@
 
 #include "q_common.h"
 
-#define MAX_PARTS 8
+/* Set up a fused product (what q_common.h's sf_fused holds): the parts' column functions, their chunks of weight
+ * rows and the activation kinds they need. Returns 0, or -1 for bad arguments (an unknown format, K not a multiple
+ * of a format's block, too many parts). */
+int sf_fused_setup(sf_fused *f, const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx,
+                   int64_t M, int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate) {
+    if (nparts < 1 || nparts > SF_MAX_PARTS || K <= 0 || M < 0 || pre < PRE_NONE || pre > PRE_SILU_MUL) return -1;
+    if (pre == PRE_RMSNORM && !pre_w) return -1;
+    *f = (sf_fused){.parts = parts, .nparts = nparts, .K = K, .M = M, .x = x, .ldx = ldx, .pre = pre,
+                    .pre_w = pre_w, .eps = eps, .y = y, .ldy = ldy, .accumulate = accumulate};
+    f->start[0] = 0;
+    int64_t col = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t t = parts[p].type;
+        f->cols[p] = sfq_columns(t);
+        if (!f->cols[p] || K % (sf_is_k(t) ? 256 : 32) != 0 || parts[p].N < 0) return -1;
+        f->need[sf_act_kind(t)] = 1;
+        f->rch[p] = sf_chunk_rows(parts[p].row_bytes, M);
+        f->start[p + 1] = f->start[p] + (parts[p].N + f->rch[p] - 1) / f->rch[p];
+        f->col0[p] = col;
+        col += parts[p].N;
+    }
+    const int64_t kind_type[SF_ACT_KINDS] = {T_Q4_K, T_Q4_0, T_Q4_1};
+    for (int k = 0; k < SF_ACT_KINDS; k++) f->arb[k] = sf_act_row_bytes(kind_type[k], K);
+    if (col == 0) f->M = 0; /* nothing to compute */
+    return 0;
+}
+
+/* Activation row m of a fused product, transformed (f->pre) and quantized into act[kind] for every kind the parts
+ * need; buf: K floats of scratch. */
+static void fused_prepare_row(const sf_fused *f, int64_t m, float *buf, uint8_t *const *act) {
+    const float *row = f->x + m * f->ldx;
+    if (f->pre == PRE_RMSNORM) {
+        sfq_rmsnorm_row(row, f->K, f->pre_w, f->eps, buf);
+        row = buf;
+    } else if (f->pre == PRE_SILU_MUL) {
+        sfq_silu_mul_row(row, row + f->K, f->K, buf);
+        row = buf;
+    }
+    for (int k = 0; k < SF_ACT_KINDS; k++)
+        if (f->need[k]) sf_quantize_act(k, row, f->K, act[k] + m * f->arb[k]);
+}
+
+/* A fused product run by every thread of the team that meets it (or by one thread outside a parallel region: the
+ * worksharing below then runs whole on it); the schedule of its chunk loop is the one sf_row_schedule set before the
+ * team began. buf: K floats of this thread's scratch. Fewer than SF_QUANT_PAR_ROWS activation rows are prepared by
+ * every thread into its own buffers (own[kind]: M * f->arb[kind] bytes each, 64-byte aligned), which costs no more
+ * than one thread preparing them while the others wait, and needs no barrier; more rows are prepared by the threads
+ * together into f->act (and the loop's barrier publishes them). Returns after the team's barrier at the end of the chunk loop, so the outputs are complete
+ * for every thread of the team. */
+void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own) {
+    if (f->M == 0) return;
+    uint8_t *const *act = f->act;
+    if (f->M < SF_QUANT_PAR_ROWS) {
+        for (int64_t m = 0; m < f->M; m++) fused_prepare_row(f, m, buf, own);
+        act = own;
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < f->M; m++) fused_prepare_row(f, m, buf, f->act);
+    }
+    /* each thread's own epoch (q_common.h): what a body keeps from the rows it read serves only this thread's part
+     * of this call */
+    const int64_t epoch = sf_new_epoch(), K = f->K, M = f->M;
+#pragma omp for schedule(runtime)
+    for (int64_t ch = 0; ch < f->start[f->nparts]; ch++) {
+        int64_t p = 0;
+        while (ch >= f->start[p + 1]) p++;
+        const sfq_part *pt = &f->parts[p];
+        const int kind = sf_act_kind(pt->type);
+        const int64_t n0 = (ch - f->start[p]) * f->rch[p], n1 = n0 + f->rch[p] < pt->N ? n0 + f->rch[p] : pt->N;
+        const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
+        sf_far_chunk((const uint8_t *)pt->W, pt->row_bytes, n0, n1, M);
+        for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
+            const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
+            sf_call_epoch = epoch;
+            f->cols[p](pt->W, pt->row_bytes, nb, act[kind], f->arb[kind], c0, c1, n0, n1, f->y + f->col0[p], f->ldy, pt->bias,
+                       (int)f->accumulate);
+            sf_call_epoch = 0;
+        }
+    }
+}
 
 /* Rows x[m * ldx ...] (m < M; with PRE_SILU_MUL a row is gate[K] then up[K]) -> y[m * ldy + col], the
  * parts' outputs side by side. pre: PRE_NONE, PRE_RMSNORM (pre_w[K], eps) or PRE_SILU_MUL. Returns 0, or
@@ -23,86 +102,30 @@
 int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx, int64_t M,
                              int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate,
                              int64_t num_threads) {
-    if (nparts < 1 || nparts > MAX_PARTS || K <= 0 || M < 0 || pre < PRE_NONE || pre > PRE_SILU_MUL) return -1;
-    if (pre == PRE_RMSNORM && !pre_w) return -1;
-    int need[SF_ACT_KINDS] = {0, 0, 0};
-    cols_fn cols[MAX_PARTS];
-    int64_t start[MAX_PARTS + 1], col0[MAX_PARTS], rch[MAX_PARTS];
-    start[0] = 0;
-    int64_t col = 0;
-    for (int64_t p = 0; p < nparts; p++) {
-        const int64_t t = parts[p].type;
-        cols[p] = sfq_columns(t);
-        if (!cols[p] || K % (sf_is_k(t) ? 256 : 32) != 0 || parts[p].N < 0) return -1;
-        need[sf_act_kind(t)] = 1;
-        rch[p] = sf_chunk_rows(parts[p].row_bytes, M);
-        start[p + 1] = start[p] + (parts[p].N + rch[p] - 1) / rch[p];
-        col0[p] = col;
-        col += parts[p].N;
-    }
-    if (M == 0 || col == 0) return 0;
+    sf_fused f;
+    const int rc = sf_fused_setup(&f, parts, nparts, K, x, ldx, M, pre, pre_w, eps, y, ldy, accumulate);
+    if (rc || f.M == 0) return rc;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
-    /* one activation buffer per kind the parts need; 64-byte aligned: a 512-bit load of activation quants
-     * never straddles two cache lines */
-    const int64_t kind_type[SF_ACT_KINDS] = {T_Q4_K, T_Q4_0, T_Q4_1};
-    int64_t arb[SF_ACT_KINDS];
-    uint8_t *act[SF_ACT_KINDS] = {0, 0, 0};
-    int nomem = 0;
+    const int shared = M >= SF_QUANT_PAR_ROWS;
+    /* activation buffers: shared ones, or one set per thread (sf_fused_team); 64-byte aligned, so a 512-bit load
+     * of activation quants never straddles two cache lines; and K floats of scratch a thread */
+    int64_t per = 0, off[SF_ACT_KINDS];
     for (int k = 0; k < SF_ACT_KINDS; k++) {
-        arb[k] = sf_act_row_bytes(kind_type[k], K);
-        if (need[k] && !(act[k] = (uint8_t *)aligned_alloc(64, (size_t)(M * arb[k] + 63) / 64 * 64))) nomem = 1;
+        off[k] = per;
+        if (f.need[k]) per += (M * f.arb[k] + 63) / 64 * 64;
     }
-    if (nomem) {
-        for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
-        return -2;
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (M >= SF_QUANT_PAR_ROWS && nt > 1)
-    {
-        float *buf = pre != PRE_NONE ? (float *)malloc((size_t)K * sizeof(float)) : 0;
-        if (pre != PRE_NONE && !buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            if (pre != PRE_NONE && !buf) continue;
-            const float *row = x + m * ldx;
-            if (pre == PRE_RMSNORM) {
-                sfq_rmsnorm_row(row, K, pre_w, eps, buf);
-                row = buf;
-            } else if (pre == PRE_SILU_MUL) {
-                sfq_silu_mul_row(row, row + K, K, buf);
-                row = buf;
-            }
-            for (int k = 0; k < SF_ACT_KINDS; k++)
-                if (need[k]) sf_quantize_act(k, row, K, act[k] + m * arb[k]);
-        }
-        free(buf);
-    }
-    if (failed) {
-        for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
-        return -2;
-    }
-    const int64_t epoch = sf_new_epoch(), nchunks = start[nparts];
+    const int64_t copies = shared ? 1 : nt, bufs = (K * (int64_t)sizeof(float) + 63) / 64 * 64;
+    uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(copies * per + nt * bufs));
+    if (!mem) return -2;
+    for (int k = 0; k < SF_ACT_KINDS; k++) f.act[k] = f.need[k] ? mem + off[k] : 0;
     sf_row_schedule();
-#pragma omp parallel for schedule(runtime) num_threads(nt) if (nt > 1 && nchunks > 1)
-    for (int64_t ch = 0; ch < nchunks; ch++) {
-        int64_t p = 0;
-        while (ch >= start[p + 1]) p++;
-        const sfq_part *pt = &parts[p];
-        const int kind = sf_act_kind(pt->type);
-        const int64_t n0 = (ch - start[p]) * rch[p], n1 = n0 + rch[p] < pt->N ? n0 + rch[p] : pt->N;
-        const int64_t nb = K / (kind == SF_ACT_256 ? 256 : 32);
-        sf_far_chunk((const uint8_t *)pt->W, pt->row_bytes, n0, n1, M);
-        for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
-            const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
-            sf_call_epoch = epoch;
-            cols[p](pt->W, pt->row_bytes, nb, act[kind], arb[kind], c0, c1, n0, n1, y + col0[p], ldy, pt->bias,
-                    (int)accumulate);
-            sf_call_epoch = 0;
-        }
+#pragma omp parallel num_threads(nt) if (nt > 1 && (shared || f.start[f.nparts] > 1))
+    {
+        const int tid = omp_get_thread_num();
+        uint8_t *own[SF_ACT_KINDS];
+        for (int k = 0; k < SF_ACT_KINDS; k++) own[k] = f.need[k] ? mem + (shared ? 0 : tid) * per + off[k] : 0;
+        sf_fused_team(&f, (float *)(mem + copies * per + tid * bufs), own);
     }
-    for (int k = 0; k < SF_ACT_KINDS; k++) free(act[k]);
+    free(mem);
     return 0;
 }

@@ -433,9 +433,49 @@ int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T,
 int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx, int64_t M,
                              int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate,
                              int64_t num_threads);
+/* A fused product set up once (fused_linear.c: sf_fused_setup) and run by the threads of a team (sf_fused_team), in
+ * the layer loop's team (layers.c) or in specfleet_q_linear_fused's own */
+#define SF_MAX_PARTS 8
+typedef struct {
+    const sfq_part *parts;
+    int64_t nparts, K, M; /* M 0: nothing to compute */
+    const float *x;
+    int64_t ldx, pre;
+    const float *pre_w;
+    float eps;
+    float *y;
+    int64_t ldy, accumulate;
+    cols_fn cols[SF_MAX_PARTS];
+    int64_t start[SF_MAX_PARTS + 1], col0[SF_MAX_PARTS], rch[SF_MAX_PARTS]; /* chunks: part p's are start[p].. */
+    int need[SF_ACT_KINDS];
+    int64_t arb[SF_ACT_KINDS];  /* activation row bytes of each kind at K */
+    uint8_t *act[SF_ACT_KINDS]; /* the caller's: shared activation rows (from SF_QUANT_PAR_ROWS rows) */
+} sf_fused;
+int sf_fused_setup(sf_fused *f, const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx,
+                   int64_t M, int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate);
+void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own);
 void specfleet_rope_kv(const float *qkv, int64_t T, int64_t ldqkv, int64_t H, int64_t KVH, int64_t D,
                        const int64_t *pos, const float *cos_t, const float *sin_t, float *q_out, float *k_cache,
                        float *v_cache, const int64_t *slots);
+/* Attention set up once for a step's rows (attention.c: sf_attn_setup) and run task by task (sf_attn_task), in the
+ * layer loop's team (layers.c) or in sf_attend_rows's own. A thread's scratch: sc sf_attn_sc_floats floats, qp
+ * sf_attn_qp_floats floats (64-byte aligned), krow sf_attn_krows int64s. */
+typedef struct {
+    const sf_key_plan *plan;
+    int64_t n, H, KVH, D, ldk;
+    float scale;
+    int64_t *gstart; /* the row groups: group i is rows gstart[i] .. gstart[i + 1] */
+    int64_t tasks, l8, G, G2;
+    int par; /* worth more than one thread */
+} sf_attn;
+int sf_attn_setup(sf_attn *a, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t ldk, const sf_key_plan *plan,
+                  float scale, int64_t num_threads);
+void sf_attn_free(sf_attn *a);
+int64_t sf_attn_sc_floats(const sf_attn *a);
+int64_t sf_attn_qp_floats(const sf_attn *a);
+int64_t sf_attn_krows(const sf_attn *a);
+void sf_attn_task(const sf_attn *a, int64_t t, const float *q, const float *k, const float *v, float *out, float *sc,
+                  float *qp, int64_t *krow, int64_t *krow_of);
 int sf_attend_rows(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D, const float *k, const float *v,
                    int64_t ldk, const sf_key_plan *plan, float scale, float *out, int64_t num_threads);
 
