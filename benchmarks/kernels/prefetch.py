@@ -19,7 +19,8 @@ one=, many=, grouped= (the distance for weight rows in pairs and fours), l2= (1:
 group= and act= (the activation bytes above which 2 or more rows go in groups; 0: never), far= and farmany= (a
 second prefetch into L2 only, further ahead, for one row and for more: `specfleet_set_prefetch_far`; 0: none),
 chunk= (the fewest bytes of weight rows a one-row product hands a thread at once: `specfleet_set_chunk_bytes`; 0: 64
-rows), sched= (1: threads take chunks in guided runs, 0: one at a time: `specfleet_set_schedule`); what a setting
+rows), sched= (1: threads take chunks in guided runs, 0: one at a time, 2: guided, but a fused product over few rows gives
+each thread one run of equal bytes: `specfleet_set_schedule`); what a setting
 leaves out is the setting in effect, printed.
 
     .venv/bin/python benchmarks/kernels/prefetch.py --settings 4096,4096,2 4096,4096,6 4096,16384,2   # Zen 4
@@ -63,8 +64,9 @@ def setting(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"prefetch distances must lie in [0, {1 << 20}] bytes: {text}")
     if not 0 <= out.get("chunk", 0) <= 1 << 24:
         raise argparse.ArgumentTypeError(f"chunk must lie in [0, {1 << 24}] bytes: {text}")
-    if out.get("sched", 0) not in (0, 1):
-        raise argparse.ArgumentTypeError(f"sched is 0 (one chunk at a time) or 1 (guided runs): {text}")
+    if out.get("sched", 0) not in (0, 1, 2):
+        raise argparse.ArgumentTypeError(
+            f"sched is 0 (one chunk at a time), 1 (guided runs) or 2 (one run a thread for few rows): {text}")
     if (out.get("l2", 0) not in (0, 1) or not 2 <= out.get("group", 2) <= 1 << 20
             or not 0 <= out.get("act", 0) <= 1 << 30):
         raise argparse.ArgumentTypeError(f"l2 is 0 or 1, group in [2, {1 << 20}], act in [0, {1 << 30}]: {text}")
@@ -77,7 +79,7 @@ def full(s: dict, now: dict) -> tuple[int, int, int, int, int, int, int, int, in
     return (s.get("one", pf[0]), s.get("many", pf[1]), s.get("grouped", pf[2]), s.get("l2", int(now["prefetch_l2"])),
             s.get("group", now["group_min_rows"]), s.get("act", now["group_act_bytes"]), s.get("far", far[0]),
             s.get("farmany", far[1]), s.get("chunk", now["chunk_bytes"]),
-            s.get("sched", int(now["schedule"] == "guided")))
+            s.get("sched", native_backend.SCHEDULES[now["schedule"]]))
 
 
 def main() -> None:

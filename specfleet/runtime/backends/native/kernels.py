@@ -270,15 +270,19 @@ def chunk_bytes_setting(path: str, vendor: str | None = None, flags: frozenset[s
 # over the other's rows, and what a thread prefetches past its chunk is the other's. On a Zen 5 (AMD family 26, 2
 # vCPUs) guided made the 1.5B's one-row forward 11 % faster (22.7 -> 20.3 ms, with 256 KB chunks), 5 rows 14 % and 9
 # rows 17 %, and the Q4_0 0.5B's one-row forward 5 % (8.0 -> 7.6 ms); a static split was level with guided (session
-# 49). Measured there only, so keyed as PREFETCH; SPECFLEET_SCHEDULE ("guided" or "dynamic") overrides.
-SCHEDULE: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 26): 1}
-SCHEDULES = {"dynamic": 0, "guided": 1}
+# 49). 2 (split): as guided, but a fused product over fewer than 32 activation rows gives each thread one run of its
+# weight rows, of equal bytes: no thread waits at the end for another's last chunk (with 256 KB chunks the 0.5B's
+# q/k/v product was 4 chunks); on the Zen 5, inside the layer loop's one team, the 0.5B's decoder layers 2-3 % faster
+# at 1 and 5 rows and the 1.5B's likewise (session 50). Measured there only, so keyed as PREFETCH;
+# SPECFLEET_SCHEDULE ("guided", "dynamic" or "split") overrides.
+SCHEDULE: dict[tuple[str, str, int | None], int] = {("avx512vnni", "AuthenticAMD", 26): 2}
+SCHEDULES = {"dynamic": 0, "guided": 1, "split": 2}
 
 
 def schedule_setting(path: str, vendor: str | None = None, family: int | None = None) -> int | None:
-    """1 where the products hand out their chunks in guided runs for ISA path `path` on this CPU, 0 one at a time:
-    SPECFLEET_SCHEDULE ("guided" or "dynamic") where set, else SCHEDULE's entry; None keeps the compiled default (one
-    at a time)."""
+    """1 where the products hand out their chunks in guided runs for ISA path `path` on this CPU, 0 one at a time, 2
+    guided but one run of equal bytes a thread for fused products over few rows: SPECFLEET_SCHEDULE ("guided",
+    "dynamic" or "split") where set, else SCHEDULE's entry; None keeps the compiled default (one at a time)."""
     env = os.environ.get("SPECFLEET_SCHEDULE", "").strip()
     if env:
         if env.lower() not in SCHEDULES:
@@ -383,7 +387,7 @@ def tuning(path: str | None = None) -> dict | None:
             "prefetch_l2": bool(ctypes.c_int64.in_dll(lib, "sf_prefetch_l2").value),
             "prefetch_far": list((ctypes.c_int64 * 2).in_dll(lib, "sf_prefetch_far")),
             "chunk_bytes": ctypes.c_int64.in_dll(lib, "sf_chunk_bytes").value,
-            "schedule": "guided" if ctypes.c_int64.in_dll(lib, "sf_schedule_guided").value else "dynamic",
+            "schedule": {v: k for k, v in SCHEDULES.items()}[ctypes.c_int64.in_dll(lib, "sf_schedule_guided").value],
             "group_min_rows": ctypes.c_int64.in_dll(lib, "sf_group_min_rows").value,
             "group_act_bytes": ctypes.c_int64.in_dll(lib, "sf_group_act_bytes").value}
 

@@ -365,17 +365,17 @@ def test_one_row_chunks_on_an_amx_xeon_and_override(monkeypatch, caplog):
 
 
 def test_guided_schedule_on_a_zen5_and_override(monkeypatch, caplog):
-    """How the products hand their chunks to threads (speed only): in guided runs on a Zen 5's 512-bit path (AMD family
-    26), else one at a time (the compiled default), unless SPECFLEET_SCHEDULE overrides; a bad override is named and
-    ignored. And either way, on two threads, every output of a plain and a fused product keeps its bits, for one
-    activation row and for several."""
+    """How the products hand their chunks to threads (speed only): in guided runs, and for fused products over few rows
+    in one run a thread, on a Zen 5's 512-bit path (AMD family 26), else one at a time (the compiled default), unless SPECFLEET_SCHEDULE overrides; a bad override is named and
+    ignored. And whichever way (one run of equal bytes a thread included), on two or three threads, every output of a
+    plain and a fused product keeps its bits, for one activation row and for several."""
     monkeypatch.delenv("SPECFLEET_SCHEDULE", raising=False)
-    assert native_backend.schedule_setting("avx512vnni", "AuthenticAMD", 26) == 1
-    assert native_backend.schedule_setting("amx", "AuthenticAMD", 26) == 1  # `amx` is tuned as avx512vnni
+    assert native_backend.schedule_setting("avx512vnni", "AuthenticAMD", 26) == 2
+    assert native_backend.schedule_setting("amx", "AuthenticAMD", 26) == 2  # `amx` is tuned as avx512vnni
     assert native_backend.schedule_setting("avx512vnni", "AuthenticAMD", 25) is None
     assert native_backend.schedule_setting("avx2", "AuthenticAMD", 26) is None
     assert native_backend.schedule_setting("avx512vnni", "GenuineIntel", 6) is None
-    for text, want in (("guided", 1), (" Dynamic ", 0)):
+    for text, want in (("guided", 1), (" Dynamic ", 0), ("split", 2)):
         monkeypatch.setenv("SPECFLEET_SCHEDULE", text)
         assert native_backend.schedule_setting("avx2", "GenuineIntel", 6) == want
     _each_refused(monkeypatch, "SPECFLEET_SCHEDULE", native_backend.schedule_setting,
@@ -400,20 +400,23 @@ def test_guided_schedule_on_a_zen5_and_override(monkeypatch, caplog):
         lib.specfleet_set_chunk_bytes(0)
         lib.specfleet_set_schedule(0)
         want = [run_qlinear(lib, x[:m], w) for m in (1, 5)] + [fused(m) for m in (1, 5)]
-        for chunk in (0, 65536):
-            lib.specfleet_set_chunk_bytes(chunk)
-            lib.specfleet_set_schedule(1)
-            assert native_backend.tuning()["schedule"] == "guided"
-            got = [run_qlinear(lib, x[:m], w) for m in (1, 5)] + [fused(m) for m in (1, 5)]
-            for g, e in zip(got, want):
-                assert torch.equal(g, e), chunk
+        for mode, name in ((1, "guided"), (2, "split")):  # split: runs of equal bytes cut across the two parts
+            for chunk in (0, 65536):
+                for nt in (2, 3):
+                    torch.set_num_threads(nt)
+                    lib.specfleet_set_chunk_bytes(chunk)
+                    lib.specfleet_set_schedule(mode)
+                    assert native_backend.tuning()["schedule"] == name
+                    got = [run_qlinear(lib, x[:m], w) for m in (1, 5)] + [fused(m) for m in (1, 5)]
+                    for g, e in zip(got, want):
+                        assert torch.equal(g, e), (name, chunk, nt)
         monkeypatch.setenv("SPECFLEET_SCHEDULE", "oops")
         assert native_backend._load(native_backend.isa()) is not None
         assert "keeping the compiled schedule" in caplog.text
     finally:
         torch.set_num_threads(threads)
         lib.specfleet_set_chunk_bytes(before["chunk_bytes"])
-        lib.specfleet_set_schedule(int(before["schedule"] == "guided"))
+        lib.specfleet_set_schedule(native_backend.SCHEDULES[before["schedule"]])
 
 
 def test_weight_row_groups_by_cpu_and_override(monkeypatch, caplog):

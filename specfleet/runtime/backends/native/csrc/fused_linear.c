@@ -56,6 +56,38 @@ static void fused_prepare_row(const sf_fused *f, int64_t m, float *buf, uint8_t 
         if (f->need[k]) sf_quantize_act(k, row, f->K, act[k] + m * f->arb[k]);
 }
 
+/* The first row of part p (starting at byte pb of the parts laid end to end, rb bytes a row, N rows) at or past byte
+ * b, rounded up to a multiple of SF_SPLIT_ROWS rows, at most N */
+#define SF_SPLIT_ROWS 16
+static int64_t split_row(int64_t b, int64_t pb, int64_t rb, int64_t N) {
+    if (b <= pb || rb <= 0) return 0;
+    const int64_t r = ((b - pb + rb - 1) / rb + SF_SPLIT_ROWS - 1) / SF_SPLIT_ROWS * SF_SPLIT_ROWS;
+    return r < N ? r : N;
+}
+
+/* Thread tid's share of a product's weight rows in one contiguous run (SF_SCHEDULE_SPLIT): the parts' rows laid end
+ * to end are cut into nth runs of equal bytes, each edge at a multiple of SF_SPLIT_ROWS rows, and thread tid computes
+ * the tid-th, part by part. One stream a thread, no hand-out, and no thread finishing a chunk ahead of another's
+ * last (handed out in chunks, the 0.5B's 1152-row q/k/v product was 4 chunks: one thread took 896 of its rows). The
+ * runs tile the rows whatever nth is, and which thread computes a row changes no result. */
+static void fused_split(const sf_fused *f, uint8_t *const *act, int64_t epoch, int tid, int nth) {
+    int64_t total = 0;
+    for (int64_t p = 0; p < f->nparts; p++) total += f->parts[p].N * f->parts[p].row_bytes;
+    const int64_t b0 = total / nth * tid + total % nth * tid / nth;
+    const int64_t b1 = total / nth * (tid + 1) + total % nth * (tid + 1) / nth;
+    for (int64_t p = 0, pb = 0; p < f->nparts; pb += f->parts[p].N * f->parts[p].row_bytes, p++) {
+        const sfq_part *pt = &f->parts[p];
+        const int64_t n0 = split_row(b0, pb, pt->row_bytes, pt->N), n1 = split_row(b1, pb, pt->row_bytes, pt->N);
+        if (n1 <= n0) continue;
+        const int kind = sf_act_kind(pt->type);
+        sf_far_chunk((const uint8_t *)pt->W, pt->row_bytes, n0, n1, f->M);
+        sf_call_epoch = epoch;
+        f->cols[p](pt->W, pt->row_bytes, f->K / (kind == SF_ACT_256 ? 256 : 32), act[kind], f->arb[kind], 0, f->M, n0,
+                   n1, f->y + f->col0[p], f->ldy, pt->bias, (int)f->accumulate);
+        sf_call_epoch = 0;
+    }
+}
+
 /* A fused product run by every thread of the team that meets it (or by one thread outside a parallel region: the
  * worksharing below then runs whole on it); the schedule of its chunk loop is the one sf_row_schedule set before the
  * team began. buf: K floats of this thread's scratch. Fewer than SF_QUANT_PAR_ROWS activation rows are prepared by
@@ -76,6 +108,11 @@ void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own) {
     /* each thread's own epoch (q_common.h): what a body keeps from the rows it read serves only this thread's part
      * of this call */
     const int64_t epoch = sf_new_epoch(), K = f->K, M = f->M;
+    if (sf_schedule_guided == SF_SCHEDULE_SPLIT && M < SF_QUANT_PAR_ROWS) {
+        fused_split(f, act, epoch, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(runtime)
     for (int64_t ch = 0; ch < f->start[f->nparts]; ch++) {
         int64_t p = 0;

@@ -113,6 +113,9 @@ ALWAYS_INLINE int64_t sf_chunk_rows(int64_t row_bytes, int64_t M) {
  * long runs of rows and the runs left at the end are short. The drivers set it before every product loop that says
  * schedule(runtime) (sf_row_schedule). Which thread reads a row changes no result. */
 extern int64_t sf_schedule_guided;
+/* 2: as guided, but a fused product over fewer than SF_QUANT_PAR_ROWS activation rows (decode, verification) gives
+ * each thread one run of its weight rows, of equal bytes (fused_linear.c fused_split) */
+#define SF_SCHEDULE_SPLIT 2
 ALWAYS_INLINE void sf_row_schedule(void) { omp_set_schedule(sf_schedule_guided ? omp_sched_guided : omp_sched_dynamic, 1); }
 #define SF_XCHUNK 64      /* activation rows swept per weight row before moving on (kept in L2) */
 #define SF_QUANT_PAR_ROWS 32 /* fewer rows are prepared and quantized on one thread: cheaper than a fork and join */

@@ -75,11 +75,12 @@ void specfleet_set_chunk_bytes(int64_t bytes) {
     if (bytes >= 0 && bytes <= (1 << 24)) sf_chunk_bytes = bytes;
 }
 
-/* Set how the products' chunks are handed to threads (q_common.h sf_schedule_guided): 0 one at a time, 1 guided;
- * negative keeps it. Which thread reads a weight row changes no result. */
+/* Set how the products' chunks are handed to threads (q_common.h sf_schedule_guided): 0 one at a time, 1 guided, 2
+ * (SF_SCHEDULE_SPLIT) one run a thread for fused products over few rows, else guided; negative keeps it, above 2 is
+ * 2. Which thread reads a weight row changes no result. */
 int64_t sf_schedule_guided = 0;
-void specfleet_set_schedule(int64_t guided) {
-    if (guided >= 0) sf_schedule_guided = guided != 0;
+void specfleet_set_schedule(int64_t mode) {
+    if (mode >= 0) sf_schedule_guided = mode > SF_SCHEDULE_SPLIT ? SF_SCHEDULE_SPLIT : mode;
 }
 
 /* The fewest activation rows for which the products take weight rows in pairs and fours (q_common.h), and the
