@@ -278,23 +278,27 @@ def test_prompt_chunks_give_the_same_cache_however_they_are_split(native_tiny):
     """A prompt prefilled whole, or in chunks of 6 + 1 + 3 rows (a decode row among them), writes bit for bit
     the same KV cache and hidden states: every row attends over exactly its own keys, so chunking (the
     token budget, preemption and recompute) never changes what later steps read."""
-    from tiny_engines import make_engine
-
     ids = [5, 9, 22, 31, 7, 64, 2, 11, 40, 3]
-    outs = []
-    for chunks in ([10], [6, 1, 3]):
-        engine = make_engine(native_tiny)
-        kv = engine.runner.kv
-        hidden, start = [], 0
-        for n in chunks:
-            seq = SeqAttention(n, start, slice(32, 32 + start + n))
-            slots = torch.arange(32 + start, 32 + start + n)
-            hidden.append(native_tiny(torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
-                                      AttentionBatch(slots, [seq]), kv))
-            start += n
-        outs.append((torch.cat(hidden), kv.k[1][32:42].clone(), kv.v[1][32:42].clone()))
+    outs = [_prefill_in_chunks(native_tiny, ids, chunks, 32) for chunks in ([10], [6, 1, 3])]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def _prefill_in_chunks(model, ids: list[int], chunks: list[int], at: int) -> tuple:
+    """(hidden states of every row, layer 1's keys, its values) of `ids` prefilled chunk by chunk into a fresh
+    engine's cache from slot `at`"""
+    from tiny_engines import make_engine
+
+    kv = make_engine(model).runner.kv
+    hidden, start = [], 0
+    for n in chunks:
+        seq = SeqAttention(n, start, slice(at, at + start + n))
+        slots = torch.arange(at + start, at + start + n)
+        hidden.append(model(torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
+                            AttentionBatch(slots, [seq]), kv))
+        start += n
+    end = at + len(ids)
+    return torch.cat(hidden), kv.k[1][at:end].clone(), kv.v[1][at:end].clone()
 
 
 def test_layer_loop_bits_do_not_depend_on_the_threads_or_the_rows_of_a_call(native_tiny):
@@ -302,8 +306,6 @@ def test_layer_loop_bits_do_not_depend_on_the_threads_or_the_rows_of_a_call(nati
     (csrc/layers.c): a 40-token prompt whole (from 32 rows the team prepares activation rows together, fewer each
     thread for itself) or in chunks of 33 + 1 + 6 rows, on 1, 2 or 3 threads, gives bit for bit the same hidden
     states and KV cache. A missing barrier or a thread reading another's rows would show here."""
-    from tiny_engines import make_engine
-
     ids = [(7 * i + 3) % 97 for i in range(40)]
     before = torch.get_num_threads()
     outs = []
@@ -311,16 +313,7 @@ def test_layer_loop_bits_do_not_depend_on_the_threads_or_the_rows_of_a_call(nati
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             for chunks in ([40], [33, 1, 6]):
-                engine = make_engine(native_tiny)
-                kv = engine.runner.kv
-                hidden, start = [], 0
-                for n in chunks:
-                    seq = SeqAttention(n, start, slice(8, 8 + start + n))
-                    slots = torch.arange(8 + start, 8 + start + n)
-                    hidden.append(native_tiny(torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
-                                              AttentionBatch(slots, [seq]), kv))
-                    start += n
-                outs.append((threads, chunks, torch.cat(hidden), kv.k[1][8:48].clone(), kv.v[1][8:48].clone()))
+                outs.append((threads, chunks, *_prefill_in_chunks(native_tiny, ids, chunks, 8)))
     finally:
         torch.set_num_threads(before)
     first = outs[0]

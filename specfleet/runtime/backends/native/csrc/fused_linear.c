@@ -41,6 +41,21 @@ int sf_fused_setup(sf_fused *f, const sfq_part *parts, int64_t nparts, int64_t K
     return 0;
 }
 
+/* One set of activation buffers for the fused products fs[0..n), which run one after another: each kind the parts
+ * of any of them need, as large as the largest of them needs, 64-byte aligned (a 512-bit load of activation quants
+ * never straddles two cache lines). Writes each kind's offset in the set to off and returns the set's bytes. */
+int64_t sf_fused_act_layout(const sf_fused *fs, int64_t n, int64_t *off) {
+    int64_t per = 0;
+    for (int k = 0; k < SF_ACT_KINDS; k++) {
+        int64_t bytes = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (fs[i].need[k] && fs[i].M * fs[i].arb[k] > bytes) bytes = fs[i].M * fs[i].arb[k];
+        off[k] = per;
+        per += (bytes + 63) / 64 * 64;
+    }
+    return per;
+}
+
 /* Activation row m of a fused product, transformed (f->pre) and quantized into act[kind] for every kind the parts
  * need; buf: K floats of scratch. */
 static void fused_prepare_row(const sf_fused *f, int64_t m, float *buf, uint8_t *const *act) {
@@ -93,8 +108,8 @@ static void fused_split(const sf_fused *f, uint8_t *const *act, int64_t epoch, i
  * team began. buf: K floats of this thread's scratch. Fewer than SF_QUANT_PAR_ROWS activation rows are prepared by
  * every thread into its own buffers (own[kind]: M * f->arb[kind] bytes each, 64-byte aligned), which costs no more
  * than one thread preparing them while the others wait, and needs no barrier; more rows are prepared by the threads
- * together into f->act (and the loop's barrier publishes them). Returns after the team's barrier at the end of the chunk loop, so the outputs are complete
- * for every thread of the team. */
+ * together into f->act (and the loop's barrier publishes them). Returns after the team's barrier at the end of the
+ * product, so the outputs are complete for every thread of the team. */
 void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own) {
     if (f->M == 0) return;
     uint8_t *const *act = f->act;
@@ -125,8 +140,8 @@ void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own) {
         for (int64_t c0 = 0; c0 < M; c0 += SF_XCHUNK) {
             const int64_t c1 = c0 + SF_XCHUNK < M ? c0 + SF_XCHUNK : M;
             sf_call_epoch = epoch;
-            f->cols[p](pt->W, pt->row_bytes, nb, act[kind], f->arb[kind], c0, c1, n0, n1, f->y + f->col0[p], f->ldy, pt->bias,
-                       (int)f->accumulate);
+            f->cols[p](pt->W, pt->row_bytes, nb, act[kind], f->arb[kind], c0, c1, n0, n1, f->y + f->col0[p], f->ldy,
+                       pt->bias, (int)f->accumulate);
             sf_call_epoch = 0;
         }
     }
@@ -144,13 +159,9 @@ int specfleet_q_linear_fused(const sfq_part *parts, int64_t nparts, int64_t K, c
     if (rc || f.M == 0) return rc;
     const int nt = num_threads < 1 ? 1 : (int)num_threads;
     const int shared = M >= SF_QUANT_PAR_ROWS;
-    /* activation buffers: shared ones, or one set per thread (sf_fused_team); 64-byte aligned, so a 512-bit load
-     * of activation quants never straddles two cache lines; and K floats of scratch a thread */
-    int64_t per = 0, off[SF_ACT_KINDS];
-    for (int k = 0; k < SF_ACT_KINDS; k++) {
-        off[k] = per;
-        if (f.need[k]) per += (M * f.arb[k] + 63) / 64 * 64;
-    }
+    /* activation buffers: one shared set, or one set per thread (sf_fused_team); and K floats of scratch a thread */
+    int64_t off[SF_ACT_KINDS];
+    const int64_t per = sf_fused_act_layout(&f, 1, off);
     const int64_t copies = shared ? 1 : nt, bufs = (K * (int64_t)sizeof(float) + 63) / 64 * 64;
     uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(copies * per + nt * bufs));
     if (!mem) return -2;

@@ -56,18 +56,13 @@ int specfleet_decode_layers(const sfq_layer *layers, int64_t nlayers, int64_t T,
     }
     /* Scratch, one allocation: each product's activation rows, for every thread where fewer than
      * SF_QUANT_PAR_ROWS rows are prepared by each thread (sf_fused_team), else shared (the products run one after
-     * another, so one set serves them all); K floats a thread for the row transforms; the attention's scratch a
-     * thread. Each piece 64-byte aligned. */
-    const int64_t kmax = hidden > inter ? hidden : (inter > H * D ? inter : H * D);
+     * another, so one set serves them all); K floats a thread for the row transforms (RMSNorm over hidden, SiLU * up
+     * over inter; the o product's rows go as they are); the attention's scratch a thread. Each piece 64-byte
+     * aligned. */
+    const int64_t kmax = hidden > inter ? hidden : inter;
     const int shared = T >= SF_QUANT_PAR_ROWS;
-    int64_t per = 0, off[SF_ACT_KINDS];
-    for (int k = 0; k < SF_ACT_KINDS; k++) {
-        int64_t bytes = 0;
-        for (int64_t i = 0; i < nlayers * PRODUCTS; i++)
-            if (F[i].need[k] && T * F[i].arb[k] > bytes) bytes = T * F[i].arb[k];
-        off[k] = per;
-        per += (bytes + 63) / 64 * 64;
-    }
+    int64_t off[SF_ACT_KINDS];
+    const int64_t per = sf_fused_act_layout(F, nlayers * PRODUCTS, off);
 #define SF_A64(n) (((int64_t)(n) + 63) / 64 * 64)
     const int64_t buf_b = SF_A64(kmax * sizeof(float)), sc_b = SF_A64(sf_attn_sc_floats(&attn) * sizeof(float)),
                   qp_b = SF_A64(sf_attn_qp_floats(&attn) * sizeof(float)),

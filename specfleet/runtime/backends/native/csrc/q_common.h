@@ -456,6 +456,7 @@ typedef struct {
 } sf_fused;
 int sf_fused_setup(sf_fused *f, const sfq_part *parts, int64_t nparts, int64_t K, const float *x, int64_t ldx,
                    int64_t M, int64_t pre, const float *pre_w, float eps, float *y, int64_t ldy, int64_t accumulate);
+int64_t sf_fused_act_layout(const sf_fused *fs, int64_t n, int64_t *off);
 void sf_fused_team(sf_fused *f, float *buf, uint8_t *const *own);
 void specfleet_rope_kv(const float *qkv, int64_t T, int64_t ldqkv, int64_t H, int64_t KVH, int64_t D,
                        const int64_t *pos, const float *cos_t, const float *sin_t, float *q_out, float *k_cache,
